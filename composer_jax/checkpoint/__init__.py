@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face safetensors in and out, orbax save/restore."""

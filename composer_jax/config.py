@@ -1,0 +1,318 @@
+"""Typed, frozen configs loaded from YAML plus `a.b=value` overrides, validated at load.
+
+Every config is a frozen dataclass. `load_config(path, overrides)` reads a YAML file, applies dotted
+overrides, converts each value to its field's type and runs each dataclass's own checks. Anything
+wrong raises `ConfigError` naming the full dotted key: an unknown key also suggests the nearest valid
+one, a bad type names the expected type, an impossible value names the constraint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+DType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid. `key` is the dotted path of the culprit."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.detail = key, message
+        super().__init__(f"config key '{key}': {message}" if key else message)
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3 / Kimi K2 naming)."""
+
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    latent_norm_eps: float = 1e-6  # HF builds q_a/kv_a norms without eps: their default 1e-6
+
+    def __post_init__(self):
+        for name in ("num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+               f"must be a positive even number (RoPE rotates pairs), got {self.qk_rope_head_dim}")
+        _check(self.latent_norm_eps > 0, "latent_norm_eps", "must be > 0")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """YaRN rotary embedding on the decoupled rope dims (interleaved pairs, as in the HF checkpoints)."""
+
+    theta: float
+    factor: float = 1.0  # 1.0 = plain RoPE, no YaRN
+    original_max_position_embeddings: int = 4096
+    max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+    def __post_init__(self):
+        _check(self.theta > 1, "theta", f"must be > 1, got {self.theta}")
+        _check(self.factor >= 1, "factor", f"must be >= 1 (1 disables YaRN), got {self.factor}")
+        _check(self.original_max_position_embeddings > 0, "original_max_position_embeddings", "must be > 0")
+        _check(self.max_position_embeddings >= self.original_max_position_embeddings, "max_position_embeddings",
+               f"must be >= original_max_position_embeddings ({self.original_max_position_embeddings}), "
+               f"got {self.max_position_embeddings}")
+        _check(self.beta_fast > self.beta_slow > 0, "beta_fast",
+               f"need beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sigmoid-routed MoE with selection-only correction bias and a shared expert."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    dispatch: Literal["dense", "ragged"] = "ragged"
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3's gamma)
+
+    def __post_init__(self):
+        _check(self.n_routed_experts > 0, "n_routed_experts", "must be > 0")
+        _check(0 < self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+               f"must be in [1, n_routed_experts={self.n_routed_experts}], got {self.num_experts_per_tok}")
+        _check(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0")
+        _check(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        _check(self.n_group > 0 and self.n_routed_experts % self.n_group == 0, "n_group",
+               f"must divide n_routed_experts={self.n_routed_experts}, got {self.n_group}")
+        _check(0 < self.topk_group <= self.n_group, "topk_group",
+               f"must be in [1, n_group={self.n_group}], got {self.topk_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1:
+            _check(per_group >= 2, "n_group", "group-limited routing scores each group by its top-2 experts: "
+                   f"need >= 2 experts per group, got {per_group}")
+        _check(self.topk_group * per_group >= self.num_experts_per_tok, "num_experts_per_tok",
+               f"the {self.topk_group} kept groups hold only {self.topk_group * per_group} experts, "
+               f"fewer than num_experts_per_tok={self.num_experts_per_tok}")
+        _check(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
+        _check(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """DeepSeek-V3 multi-token prediction: `num_layers` sequential depths sharing embedding and head."""
+
+    num_layers: int = 0
+    loss_weight: float = 0.1
+
+    def __post_init__(self):
+        _check(self.num_layers >= 0, "num_layers", "must be >= 0")
+        _check(self.loss_weight >= 0, "loss_weight", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A DeepSeek-V3-architecture causal LM (Kimi K2 / K2.5 text model)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_dense_layers: int  # HF first_k_dense_replace: the first layers use a dense SwiGLU FFN
+    intermediate_size: int
+    mla: MLAConfig
+    rope: RopeConfig
+    moe: MoEConfig
+    mtp: MTPConfig = MTPConfig()
+    rms_norm_eps: float = 1e-6  # residual-stream norms (input, post-attention, final, MTP)
+    dtype: DType = "float32"  # activation / matmul compute dtype
+    param_dtype: DType = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
+               f"must be in [0, num_layers={self.num_layers}], got {self.num_dense_layers}")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Convert one YAML/CLI value to field type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _convert(value, args[0], key)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}{hint}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, f"expected a bool (true/false), got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(key, f"expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-5` as a string
+            try:
+                out = float(value)
+            except ValueError:
+                raise ConfigError(key, f"expected a float, got {value!r}") from None
+        else:
+            raise ConfigError(key, f"expected a float, got {value!r}")
+        if not math.isfinite(out):
+            raise ConfigError(key, f"must be finite, got {value!r}")
+        return out
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(key, f"expected a string, got {value!r}")
+    raise TypeError(f"unsupported config field type {tp!r} for '{key}'")
+
+
+def _unknown_key(cls: type, name: str, key: str) -> ConfigError:
+    fields = [f.name for f in dataclasses.fields(cls)]
+    near = difflib.get_close_matches(name, fields, n=1, cutoff=0.5)
+    hint = f"did you mean '{near[0]}'?" if near else f"valid keys: {', '.join(fields)}"
+    return ConfigError(key, f"unknown key for {cls.__name__}; {hint}")
+
+
+def from_dict(cls: type, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from a plain dict, converting and validating every value."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    join = (lambda k: f"{prefix}.{k}") if prefix else (lambda k: k)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in fields:
+            raise _unknown_key(cls, str(name), join(str(name)))
+        kwargs[name] = _convert(value, hints[name], join(name))
+    missing = [n for n, f in fields.items() if n not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(join(missing[0]), f"required key is missing (required: {', '.join(missing)})")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # re-raise with the full dotted path
+        raise ConfigError(join(e.key), e.detail) from None
+
+
+def to_dict(cfg) -> dict:
+    """The plain-dict form of a config (what `from_dict` reads back)."""
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ('a.b', parsed YAML value)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError("", f"override {text!r} is not of the form key.path=value")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _set_dotted(cls: type, data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node, node_cls = data, cls
+    for i, part in enumerate(parts):
+        path = ".".join(parts[: i + 1])
+        fields = {f.name for f in dataclasses.fields(node_cls)}
+        if part not in fields:
+            raise _unknown_key(node_cls, part, path)
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        node_cls = typing.get_type_hints(node_cls)[part]
+        if not dataclasses.is_dataclass(node_cls):
+            raise ConfigError(path, f"is a {_type_name(node_cls)}, not a section; cannot set '{key}'")
+        node = node.setdefault(part, {})
+
+
+def apply_overrides(cls: type, data: dict, overrides) -> dict:
+    """Apply `a.b=value` strings (or a {dotted: value} mapping) to the raw dict `data` in place."""
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides)
+    for key, value in items:
+        _set_dotted(cls, data, key, value)
+    return data
+
+
+def resolve_config_path(path_or_name: str | Path, kind: str = "model") -> Path:
+    """A YAML path, or a bundled config name such as `tiny` (-> configs/<kind>/tiny.yaml)."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    bundled = CONFIG_DIR / kind / f"{path_or_name}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(path_or_name)!r} is neither a file nor a bundled {kind} config "
+                            f"(bundled: {', '.join(names)})")
+
+
+def load_config(path_or_name: str | Path, overrides=(), cls: type = ModelConfig):
+    """Read a YAML config, apply overrides, and return the validated, frozen `cls` instance."""
+    path = resolve_config_path(path_or_name)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return from_dict(cls, apply_overrides(cls, data, overrides))
+    except ConfigError as e:
+        raise ConfigError(e.key, f"{e.detail} (in {path})") from None
+
+
+def replace(cfg, **dotted):
+    """A copy of `cfg` with dotted-key changes, re-validated: `replace(cfg, **{"moe.dispatch": "dense"})`."""
+    return from_dict(type(cfg), apply_overrides(type(cfg), to_dict(cfg), dotted))

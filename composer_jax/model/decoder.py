@@ -1,0 +1,59 @@
+"""The decoder layer and scanned layer stacks, shared by the main model and the MTP depths.
+
+Layers of one kind are created stacked with `nnx.vmap`, so every parameter gains a leading `layers`
+axis, and run with `jax.lax.scan`: compile time does not grow with depth, and the stacked leaves double
+as Muon batches.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.attention import MLA
+from composer_jax.model.layers import MLP, RMSNorm, stack_axes
+from composer_jax.model.moe import MoE
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h + MLA(norm(h)), then h + FFN(norm(h)); FFN is SwiGLU or MoE."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        pd = cfg.param_dtype
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", pd, rngs=rngs)
+        self.attn = MLA(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", pd, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
+
+    def __call__(self, h, cos, sin, mask) -> tuple[jax.Array, jax.Array | None]:
+        """h: [batch, seq, embed] -> (h, expert load f32[experts] or None for a dense layer)."""
+        h = h + self.attn(self.input_norm(h), cos, sin, mask)
+        ffn = self.mlp(self.post_attn_norm(h))
+        ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
+        return h + ffn, load
+
+
+def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:
+    """`num` copies of the module built by `make(rngs)`, stacked on a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=num)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return make(rngs)
+
+    stack = create(rngs)
+    stack_axes(stack)
+    return stack
+
+
+def scan_stack(stack: nnx.Module, carry, xs=None, *args):
+    """Run `layer(carry, [x,] *args) -> (carry, out)` over a stacked module; returns (carry, stacked outs)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(carry, scanned):
+        layer_state, x = scanned
+        layer = nnx.merge(graphdef, layer_state)
+        return layer(carry, *((x,) if xs is not None else ()), *args)
+
+    return jax.lax.scan(body, carry, (state, xs))

@@ -1,0 +1,102 @@
+"""DeepSeek-V3 multi-token prediction (MTP) depths and their loss (shared/reference/kimi_arch.md 2.4).
+
+Depth k (1..D) at position i sees the embedding of token t[i+k] and the previous depth's hidden state
+h[k-1, i], and predicts t[i+k+1]:
+
+    h'_k = eh_proj([enorm(Emb(t[i+k])) ; hnorm(h[k-1, i])])      # concat order as in every real checkpoint
+    h_k  = DecoderLayer_k(h'_k)                                   # causal over the sequence
+    P_k  = softmax(head_norm(h_k) @ lm_head)                      # embedding and head shared with the model
+
+h_0 is the main model's hidden state *after* its final norm, as vLLM and SGLang feed it when serving
+DeepSeek-V3's MTP weights for speculative decoding. Targets that leave the sequence or cross into
+another packed document are masked out.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
+from composer_jax.model.layers import Embed, RMSNorm, param
+
+
+class MTPDepth(nnx.Module):
+    """One MTP depth: (h_prev, next-token embedding) -> (h_k, (head-normed h_k, expert load))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, eps, pd = cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.enorm = RMSNorm(d, eps, "embed", pd, rngs=rngs)
+        self.hnorm = RMSNorm(d, eps, "embed", pd, rngs=rngs)
+        self.eh_proj = param(rngs, (2 * d, d), ("embed_concat", "embed"), pd,
+                             reduction=("embed_concat",), output=("embed",))
+        # DeepSeek-V3's MTP block is a layer of the last kind (MoE when the model has MoE layers).
+        self.layer = DecoderLayer(cfg, cfg.num_moe_layers > 0, rngs=rngs)
+        self.head_norm = RMSNorm(d, eps, "embed", pd, rngs=rngs)
+
+    def __call__(self, h_prev, emb, cos, sin, mask):
+        x = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1).astype(self.dtype)
+        h, load = self.layer(x @ self.eh_proj[...].astype(self.dtype), cos, sin, mask)
+        if load is None:
+            load = jnp.zeros((0,), jnp.float32)
+        return h, (self.head_norm(h), load)
+
+
+def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
+    """x[:, i] <- x[:, i + k], padding the last k columns with `fill`. x: [batch, seq]."""
+    pad = jnp.full((x.shape[0], k), fill, x.dtype)
+    return jnp.concatenate([x[:, k:], pad], axis=1)[:, : x.shape[1]]
+
+
+class MTP(nnx.Module):
+    """D stacked MTP depths, run sequentially with a scan."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.num_depths = cfg.mtp.num_layers
+        self.depths = create_stack(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp.num_layers, rngs)
+
+    def __call__(self, hidden, tokens, segment_ids, embed: Embed, cos, sin, mask):
+        """hidden: [batch, seq, embed] (main model, after final norm); tokens: int[batch, seq].
+
+        Returns head-normed hidden states [depths, batch, seq, embed] and expert loads [depths, experts].
+        """
+        shifted = jnp.stack([shift_left(tokens, k) for k in range(1, self.num_depths + 1)])
+        _, (mtp_hidden, load) = scan_stack(self.depths, hidden, embed(shifted), cos, sin, mask)
+        return mtp_hidden, load
+
+
+def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:
+    """bool[batch, seq]: depth `depth` at position i has a target t[i+depth+1] in the same document."""
+    offset = depth + 1
+    valid = jnp.arange(segment_ids.shape[1])[None] + offset < segment_ids.shape[1]
+    return valid & (shift_left(segment_ids, offset, fill=-1) == segment_ids)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean token cross-entropy over `mask`. logits: f32[..., vocab]; labels: int[...]; mask: bool[...]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1)
+
+
+def mtp_loss(logits_fn, mtp_hidden: jax.Array, tokens: jax.Array, weight: float,
+             segment_ids: jax.Array | None = None, loss_mask: jax.Array | None = None) -> jax.Array:
+    """(weight / D) * sum_k CE(P_k, t[i+k+1]) over valid positions.
+
+    logits_fn: the model's shared head ([..., embed] -> f32[..., vocab]);
+    mtp_hidden: [depths, batch, seq, embed]; tokens, segment_ids, loss_mask: [batch, seq] (loss_mask
+    marks which *target* tokens count, e.g. assistant tokens in SFT).
+    """
+    if segment_ids is None:
+        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+    depths = mtp_hidden.shape[0]
+    total = 0.0
+    for k in range(1, depths + 1):
+        mask = mtp_target_mask(segment_ids, k)
+        if loss_mask is not None:
+            mask &= shift_left(loss_mask.astype(bool), k + 1, fill=False)
+        total += cross_entropy(logits_fn(mtp_hidden[k - 1]), shift_left(tokens, k + 1), mask)
+    return weight * total / depths

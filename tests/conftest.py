@@ -1,0 +1,32 @@
+"""Tests run on CPU with 8 fake devices; reference libraries must be present when CI is set."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import importlib.util  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+REFERENCE_PACKAGES = ("torch", "transformers")
+
+
+def pytest_configure(config):
+    missing = [p for p in REFERENCE_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing and os.environ.get("CI"):
+        raise pytest.UsageError(f"reference test dependencies missing in CI: {', '.join(missing)}; "
+                                "install the test extras: pip install -e '.[test]'")
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-only tests are exercised by tools/device_check.sh, not by the CPU suite."""
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a GPU: run tools/device_check.sh")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
