@@ -1,0 +1,169 @@
+"""Model unit tests: router, YaRN, dispatch backends, packing, MTP, input errors, abstract lowering."""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import CausalLM, config, load_config
+from composer_jax.model import dispatch, rope
+from composer_jax.model.router import expert_load, route, updated_bias
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config("tiny")
+
+
+def _numpy_route(scores, bias, moe):
+    """Independent per-token loop version of DeepSeek-V3 noaux_tc routing."""
+    tokens, experts = scores.shape
+    per_group = experts // moe.n_group
+    weights, idx = [], []
+    for t in range(tokens):
+        choice = scores[t] + bias
+        group_score = [np.sort(choice[g * per_group:(g + 1) * per_group])[-2:].sum() for g in range(moe.n_group)]
+        kept = np.argsort(group_score)[::-1][: moe.topk_group]
+        masked = np.full(experts, -np.inf)
+        for g in kept:
+            masked[g * per_group:(g + 1) * per_group] = choice[g * per_group:(g + 1) * per_group]
+        top = np.argsort(masked)[::-1][: moe.num_experts_per_tok]
+        w = scores[t, top] / scores[t, top].sum() * moe.routed_scaling_factor
+        weights.append(w)
+        idx.append(top)
+    return np.array(weights), np.array(idx)
+
+
+@pytest.mark.parametrize("groups", [(4, 2), (1, 1)])
+def test_router_matches_reference_and_invariants(tiny, groups):
+    moe = config.replace(tiny.moe, n_group=groups[0], topk_group=groups[1])
+    rng = np.random.default_rng(0)
+    scores = jax.nn.sigmoid(rng.normal(size=(64, 16)).astype(np.float32))
+    bias = rng.uniform(0, 0.5, size=16).astype(np.float32)
+    weights, idx = route(jnp.asarray(scores), jnp.asarray(bias), moe)
+    ref_w, ref_idx = _numpy_route(np.asarray(scores), bias, moe)
+    order, ref_order = np.argsort(idx, -1), np.argsort(ref_idx, -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(idx), order, -1),
+                                  np.take_along_axis(ref_idx, ref_order, -1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, -1),
+                               np.take_along_axis(ref_w, ref_order, -1), rtol=1e-6)
+    # Weights come from the unbiased scores and sum to the scaling factor.
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), moe.routed_scaling_factor, rtol=1e-6)
+    picked = np.take_along_axis(np.asarray(scores), np.asarray(idx), -1)
+    np.testing.assert_allclose(np.asarray(weights), picked / picked.sum(-1, keepdims=True) * 2.827, rtol=1e-6)
+    # Selection uses the biased scores: a large bias on one expert forces it into every token's top-k.
+    forced = np.asarray(route(jnp.asarray(scores), jnp.asarray(bias).at[5].set(10.0), moe)[1])
+    assert (forced == 5).any(-1).all()
+    if groups[0] > 1:  # every choice lies in the kept groups: at most topk_group distinct groups
+        assert max(len(set(row // 4)) for row in np.asarray(idx)) <= groups[1]
+
+
+def test_bias_update_direction():
+    idx = jnp.array([[0, 1], [0, 2], [0, 1]])
+    load = expert_load(idx, 4)
+    np.testing.assert_array_equal(load, [3, 2, 1, 0])
+    new = updated_bias(jnp.zeros(4), load, 0.01)
+    np.testing.assert_allclose(new, [-0.01, -0.01, 0.01, 0.01])  # mean load 1.5
+
+
+def test_yarn_at_full_k25_size():
+    k25 = load_config("kimi-k2.5")
+    assert rope.yarn_ramp_bounds(k25.rope, 64) == (8, 20)
+    assert rope.softmax_scale(k25.mla, k25.rope) == pytest.approx(0.1446796, abs=5e-8)
+    assert rope.attention_factor(k25.rope) == 1.0
+    inv = rope.inv_frequencies(k25.rope, 64)
+    base = 50000.0 ** (-np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(inv[:9], base[:9], rtol=1e-6)          # below the ramp: unchanged
+    np.testing.assert_allclose(inv[20:], base[20:] / 64, rtol=1e-6)   # above: divided by the factor
+    ramp = (np.arange(32) - 8) / 12
+    mid = base * (1 - np.clip(ramp, 0, 1)) + base / 64 * np.clip(ramp, 0, 1)
+    np.testing.assert_allclose(inv, mid, rtol=1e-5)
+    ds = load_config("deepseek-v3")
+    assert rope.yarn_ramp_bounds(ds.rope, 64) == (10, 23)
+    assert rope.softmax_scale(ds.mla, ds.rope) == pytest.approx(0.1352338, abs=5e-8)
+    tiny = load_config("tiny")
+    assert rope.softmax_scale(tiny.mla, tiny.rope) == pytest.approx(24 ** -0.5 * (0.1 * math.log(4) + 1) ** 2)
+
+
+def test_ragged_dispatch_equals_dense_values_and_grads():
+    rng = np.random.default_rng(1)
+    e, d, f, t, k = 8, 12, 10, 40, 3
+    x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+    w = dispatch.ExpertWeights(*(jnp.asarray(rng.normal(size=s), jnp.float32) * 0.3
+                                 for s in ((e, d, f), (e, d, f), (e, f, d))))
+    idx = jnp.asarray(np.stack([rng.choice(e - 2, k, replace=False) for _ in range(t)]), jnp.int32)  # 2 idle
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+
+    def loss(backend, x, weights, w):
+        return jnp.sum(jnp.sin(backend(x, weights, idx, w)))
+
+    for i, (a, b) in enumerate(zip(jax.value_and_grad(lambda *a: loss(dispatch.ragged, *a), (0, 1, 2))(x, weights, w),
+                                   jax.value_and_grad(lambda *a: loss(dispatch.dense, *a), (0, 1, 2))(x, weights, w))):
+        for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")
+
+
+def test_packed_documents_equal_separate_runs(tiny):
+    model = CausalLM(config.replace(tiny, **{"mtp.num_layers": 0}), rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(2)
+    doc_a, doc_b = rng.integers(0, 256, 20), rng.integers(0, 256, 28)
+    packed = np.concatenate([doc_a, doc_b])[None].astype(np.int32)
+    segments = np.array([[1] * 20 + [2] * 28], np.int32)
+    logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))
+    together = np.asarray(logits(model, packed, segments))
+    alone_a = np.asarray(logits(model, doc_a[None].astype(np.int32), None))
+    alone_b = np.asarray(logits(model, doc_b[None].astype(np.int32), None))
+    np.testing.assert_allclose(together[0, :20], alone_a[0], atol=1e-5)
+    np.testing.assert_allclose(together[0, 20:], alone_b[0], atol=1e-5)  # positions restart per document
+    unpacked = np.asarray(logits(model, packed, None))
+    assert np.abs(unpacked[0, 20:] - alone_b[0]).max() > 1e-3  # without segments, doc b does see doc a
+
+
+def test_input_errors(tiny):
+    model = CausalLM(tiny, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"token id 300 at position \[1, 2\] is out of range \[0, vocab_size=256\)"):
+        model(np.array([[1, 2, 3], [4, 5, 300]], np.int32))
+    with pytest.raises(ValueError, match="token id -1"):
+        model(np.array([[-1, 2]], np.int32))
+    with pytest.raises(ValueError, match="tokens must be int"):
+        model(np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="exceeds rope.max_position_embeddings=64"):
+        model(np.zeros((1, 65), np.int32))
+    with pytest.raises(ValueError, match="segment_ids shape"):
+        model(np.zeros((1, 8), np.int32), segment_ids=np.zeros((1, 7), np.int32))
+
+
+def test_parameters_carry_logical_axes_and_matrix_views(tiny):
+    model = nnx.eval_shape(lambda: CausalLM(tiny, rngs=nnx.Rngs(0)))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        axes = var.get_metadata("axes")
+        assert len(axes) == var.get_value().ndim, path
+        if var.has_metadata("reduction"):
+            assert set(var.get_metadata("reduction")) | set(var.get_metadata("output")) <= set(axes), path
+    experts = model.moe_layers.mlp.gate_proj
+    assert experts.get_metadata("axes") == ("layers", "experts", "embed", "moe_mlp")
+    assert experts.get_metadata("reduction") == ("embed",) and experts.get_metadata("output") == ("moe_mlp",)
+    assert model.moe_layers.attn.q_b_proj.get_metadata("axes") == ("layers", "q_lora", "heads", "qk_head")
+    assert not model.embed.embedding.has_metadata("reduction")  # embeddings / head go to AdamW
+
+
+def test_full_kimi_forward_lowers_abstractly():
+    cfg = load_config("kimi-k2.5", ["mtp.num_layers=1"])
+    start = time.perf_counter()
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+
+    def forward(state, tokens):
+        out = nnx.merge(graphdef, state).forward(tokens)
+        return out.hidden, out.mtp_hidden
+
+    lowered = jax.jit(forward).lower(state, jax.ShapeDtypeStruct((1, 512), jnp.int32))
+    elapsed = time.perf_counter() - start
+    hidden, mtp_hidden = lowered.out_info
+    assert hidden.shape == (1, 512, 7168) and mtp_hidden.shape == (1, 1, 512, 7168)
+    assert elapsed < 120, f"lowering took {elapsed:.1f}s: is the layer stack unrolled?"
+    # Dense layers, MoE layers and MTP depths are one scan each, not 62 unrolled layers.
+    assert lowered.as_text().count("stablehlo.while") <= 3
