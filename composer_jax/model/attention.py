@@ -48,8 +48,12 @@ class MLA(nnx.Module):
         self.o_proj = param(rngs, (h, mla.v_head_dim, d), ("heads", "v_head", "embed"), pd,
                             reduction=("v_head",), output=("embed",))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, seq]."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array):
+        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, seq].
+
+        Returns the output [batch, seq, embed] and each head's largest scaled attention logit f32[heads]
+        (tracked for QK-clip).
+        """
         mla, dt = self.cfg, self.dtype
         x = x.astype(dt)
         c_q = self.q_a_norm(x @ self.q_a_proj[...].astype(dt))                         # [b, s, r_q]
@@ -66,6 +70,7 @@ class MLA(nnx.Module):
         scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
         scores += jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=f32)
         scores = jnp.where(mask[:, None], scores * self.scale, jnp.finfo(f32).min)
+        max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))                 # [h]
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
-        return jnp.einsum("bqhd,hde->bqe", out, self.o_proj[...].astype(dt))
+        return jnp.einsum("bqhd,hde->bqe", out, self.o_proj[...].astype(dt)), max_logits

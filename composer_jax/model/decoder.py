@@ -26,12 +26,19 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", pd, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
 
-    def __call__(self, h, cos, sin, mask) -> tuple[jax.Array, jax.Array | None]:
-        """h: [batch, seq, embed] -> (h, expert load f32[experts] or None for a dense layer)."""
-        h = h + self.attn(self.input_norm(h), cos, sin, mask)
+    def __call__(self, h, cos, sin, mask) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """h: [batch, seq, embed] -> (h, stats).
+
+        stats: `max_logits` f32[heads] (per-head largest attention logit) and, for an MoE layer,
+        `expert_load` f32[experts] (assignments per expert, for the bias update).
+        """
+        attn, max_logits = self.attn(self.input_norm(h), cos, sin, mask)
+        h = h + attn
+        stats = {"max_logits": max_logits}
         ffn = self.mlp(self.post_attn_norm(h))
-        ffn, load = ffn if isinstance(ffn, tuple) else (ffn, None)
-        return h + ffn, load
+        if isinstance(ffn, tuple):
+            ffn, stats["expert_load"] = ffn
+        return h + ffn, stats
 
 
 def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:

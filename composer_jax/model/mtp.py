@@ -24,7 +24,7 @@ from composer_jax.model.layers import Embed, RMSNorm, param
 
 
 class MTPDepth(nnx.Module):
-    """One MTP depth: (h_prev, next-token embedding) -> (h_k, (head-normed h_k, expert load))."""
+    """One MTP depth: (h_prev, next-token embedding) -> (h_k, (head-normed h_k, layer stats))."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, eps, pd = cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype
@@ -39,10 +39,8 @@ class MTPDepth(nnx.Module):
 
     def __call__(self, h_prev, emb, cos, sin, mask):
         x = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1).astype(self.dtype)
-        h, load = self.layer(x @ self.eh_proj[...].astype(self.dtype), cos, sin, mask)
-        if load is None:
-            load = jnp.zeros((0,), jnp.float32)
-        return h, (self.head_norm(h), load)
+        h, stats = self.layer(x @ self.eh_proj[...].astype(self.dtype), cos, sin, mask)
+        return h, (self.head_norm(h), stats)
 
 
 def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
@@ -61,11 +59,12 @@ class MTP(nnx.Module):
     def __call__(self, hidden, tokens, segment_ids, embed: Embed, cos, sin, mask):
         """hidden: [batch, seq, embed] (main model, after final norm); tokens: int[batch, seq].
 
-        Returns head-normed hidden states [depths, batch, seq, embed] and expert loads [depths, experts].
+        Returns head-normed hidden states [depths, batch, seq, embed] and the depths' layer stats
+        (each with a leading depths axis).
         """
         shifted = jnp.stack([shift_left(tokens, k) for k in range(1, self.num_depths + 1)])
-        _, (mtp_hidden, load) = scan_stack(self.depths, hidden, embed(shifted), cos, sin, mask)
-        return mtp_hidden, load
+        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, embed(shifted), cos, sin, mask)
+        return mtp_hidden, stats
 
 
 def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:

@@ -29,8 +29,9 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
 class Output(NamedTuple):
     hidden: jax.Array               # [batch, seq, embed], after the final norm
     expert_load: jax.Array          # f32[moe_layers, experts]: assignments per expert, for the bias update
+    max_logits: jax.Array           # f32[layers, heads]: largest attention logit per head (QK-clip)
     mtp_hidden: jax.Array | None    # [depths, batch, seq, embed], after each MTP head norm
-    mtp_expert_load: jax.Array | None
+    mtp_stats: dict | None          # the MTP layers' `max_logits` / `expert_load`, leading depths axis
 
 
 class CausalLM(nnx.Module):
@@ -79,16 +80,20 @@ class CausalLM(nnx.Module):
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, positions)
         mask = attention_mask(segment_ids)
         h = self.embed(tokens)
+        max_logits = []
         if self.dense_layers is not None:
-            h, _ = scan_stack(self.dense_layers, h, None, cos, sin, mask)
+            h, stats = scan_stack(self.dense_layers, h, None, cos, sin, mask)
+            max_logits.append(stats["max_logits"])
         load = jnp.zeros((0, self.cfg.moe.n_routed_experts), jnp.float32)
         if self.moe_layers is not None:
-            h, load = scan_stack(self.moe_layers, h, None, cos, sin, mask)
+            h, stats = scan_stack(self.moe_layers, h, None, cos, sin, mask)
+            max_logits.append(stats["max_logits"])
+            load = stats["expert_load"]
         hidden = self.final_norm(h)
-        mtp_hidden = mtp_load = None
+        mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
-            mtp_hidden, mtp_load = self.mtp(hidden, tokens, segment_ids, self.embed, cos, sin, mask)
-        return Output(hidden, load, mtp_hidden, mtp_load)
+            mtp_hidden, mtp_stats = self.mtp(hidden, tokens, segment_ids, self.embed, cos, sin, mask)
+        return Output(hidden, load, jnp.concatenate(max_logits), mtp_hidden, mtp_stats)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""
