@@ -96,7 +96,8 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    dispatch: Literal["dense", "ragged"] = "ragged"
+    dispatch: Literal["dense", "ragged", "ep_a2a", "ep_ragged"] = "ragged"
+    capacity_factor: float = 0.0  # ep_a2a buffer per device pair, x the even share; 0 = dropless
     bias_update_rate: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3's gamma)
 
     def __post_init__(self):
@@ -118,6 +119,7 @@ class MoEConfig:
                f"fewer than num_experts_per_tok={self.num_experts_per_tok}")
         _check(self.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
         _check(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
+        _check(self.capacity_factor >= 0, "capacity_factor", "must be >= 0 (0 = dropless)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +161,32 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.num_dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Dual-grid HSDP layout over one device list (see composer_jax.parallel.mesh).
+
+    Dense mesh `(replica, fsdp, cp)`: dense weights sharded on `fsdp`, replicated over `replica` and
+    `cp`; activations batch-sharded on `(replica, fsdp)`, sequence-sharded on `cp`.
+    Expert mesh `(ereplica, efsdp, ep)`: routed-expert weights sharded on `ep` (experts) and `efsdp`
+    (their embed dim). Each grid's sizes multiply to the device count; one size per grid may be -1
+    (the rest of the devices).
+    """
+
+    replica: int = 1
+    fsdp: int = -1
+    cp: int = 1
+    ereplica: int = 1
+    efsdp: int = 1
+    ep: int = -1
+
+    def __post_init__(self):
+        for grid in (("replica", "fsdp", "cp"), ("ereplica", "efsdp", "ep")):
+            sizes = [getattr(self, a) for a in grid]
+            for axis, size in zip(grid, sizes):
+                _check(size == -1 or size > 0, axis, f"must be a positive size or -1 (fill), got {size}")
+            _check(sizes.count(-1) <= 1, grid[sizes.index(-1)], f"at most one of {grid} may be -1")
 
 
 # ----------------------------------------------------------------------------------------------------
