@@ -186,7 +186,8 @@ class MeshConfig:
             sizes = [getattr(self, a) for a in grid]
             for axis, size in zip(grid, sizes):
                 _check(size == -1 or size > 0, axis, f"must be a positive size or -1 (fill), got {size}")
-            _check(sizes.count(-1) <= 1, grid[sizes.index(-1)], f"at most one of {grid} may be -1")
+            if sizes.count(-1) > 1:
+                raise ConfigError(grid[sizes.index(-1)], f"at most one of {grid} may be -1")
 
 
 # ----------------------------------------------------------------------------------------------------

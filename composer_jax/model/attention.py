@@ -3,25 +3,53 @@
 Follows transformers' `DeepseekV3Attention` (shared/reference/kimi_arch.md section 2.2): low-rank
 queries through `c_q`, keys and values decompressed from the latent `c_kv`, a decoupled rope key shared
 by all heads, and the mscale-adjusted softmax scale. Scores and softmax run in float32.
+
+Context parallelism: with the sequence sharded on the dense mesh's `cp` axis, each device keeps its
+queries and all-gathers only the compressed latent (normalised `c_kv` plus the shared rope key:
+kv_lora + rope values per token, 576 at full size, instead of full per-head K and V), then
+decompresses keys and values for the whole sequence locally.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
-from composer_jax.model.layers import RMSNorm, param
+from composer_jax.model.layers import RMSNorm, param, weight
+from composer_jax.parallel.partitioning import activation_spec
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """bool[batch, q, k]: causal and within one packed document. segment_ids: int[batch, seq]."""
-    seq = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same_doc
+def attention_mask(segment_q: jax.Array, segment_k: jax.Array, order_q: jax.Array, order_k: jax.Array):
+    """bool[batch, q, k]: causal and within one packed document.
+
+    segment_q, order_q: int[batch, q]; segment_k, order_k: int[batch, k]. The orders are the tokens'
+    indices in the original sequence (an arange, or a context-parallel chunk order).
+    """
+    causal = order_k[:, None, :] <= order_q[:, :, None]
+    return causal & (segment_q[:, :, None] == segment_k[:, None, :])
+
+
+def load_balanced_order(seq: int, cp: int) -> np.ndarray:
+    """int[seq]: the causal load-balanced sequence order for `cp` context-parallel shards.
+
+    The sequence is cut into 2*cp chunks; shard i holds chunks i and 2*cp-1-i, so every shard gets
+    the same amount of causal attention work (early chunks are cheap, late ones expensive).
+    """
+    if seq % (2 * cp):
+        raise ValueError(f"context parallelism cp={cp} needs a sequence length divisible by {2 * cp}, got {seq}")
+    chunks = np.arange(seq).reshape(2 * cp, seq // (2 * cp))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+
+
+def gather_sequence(x: jax.Array) -> jax.Array:
+    """[batch, seq, ...] sharded on the sequence (context parallelism) -> the whole sequence per device."""
+    if jax.typeof(x).sharding.mesh.empty:
+        return x
+    return jax.sharding.reshard(x, activation_spec("batch", *([None] * (x.ndim - 1))))
 
 
 class MLA(nnx.Module):
@@ -49,22 +77,24 @@ class MLA(nnx.Module):
                             reduction=("v_head",), output=("embed",))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array):
-        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, seq].
+        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, seq_k]
+        (seq_k: the whole sequence; seq: this device's queries under context parallelism).
 
         Returns the output [batch, seq, embed] and each head's largest scaled attention logit f32[heads]
         (tracked for QK-clip).
         """
         mla, dt = self.cfg, self.dtype
         x = x.astype(dt)
-        c_q = self.q_a_norm(x @ self.q_a_proj[...].astype(dt))                         # [b, s, r_q]
-        q = jnp.einsum("bsr,rhk->bshk", c_q, self.q_b_proj[...].astype(dt))           # [b, s, h, nope+rope]
+        c_q = self.q_a_norm(x @ weight(self.q_a_proj, dt))                             # [b, s, r_q]
+        q = jnp.einsum("bsr,rhk->bshk", c_q, weight(self.q_b_proj, dt))               # [b, s, h, nope+rope]
         q_nope, q_rope = q[..., : mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
-        kv_a = x @ self.kv_a_proj[...].astype(dt)                                      # [b, s, r_kv+rope]
-        c_kv, k_rope = kv_a[..., : mla.kv_lora_rank], kv_a[..., mla.kv_lora_rank:]
-        kv = jnp.einsum("bsr,rhk->bshk", self.kv_a_norm(c_kv), self.kv_b_proj[...].astype(dt))
-        k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s, h, *]
         q_rope = rope_lib.apply_rope(q_rope, cos, sin)
-        k_rope = rope_lib.apply_rope(k_rope[:, :, None, :], cos, sin)[:, :, 0]        # one head, shared
+        kv_a = x @ weight(self.kv_a_proj, dt)                                          # [b, s, r_kv+rope]
+        c_kv = self.kv_a_norm(kv_a[..., : mla.kv_lora_rank])
+        k_rope = rope_lib.apply_rope(kv_a[:, :, None, mla.kv_lora_rank:], cos, sin)[:, :, 0]  # one shared head
+        c_kv, k_rope = gather_sequence(c_kv), gather_sequence(k_rope)                 # keys: whole sequence
+        kv = jnp.einsum("bsr,rhk->bshk", c_kv, weight(self.kv_b_proj, dt))
+        k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s_k, h, *]
 
         f32 = jnp.float32
         scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
@@ -73,4 +103,4 @@ class MLA(nnx.Module):
         max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))                 # [h]
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
-        return jnp.einsum("bqhd,hde->bqe", out, self.o_proj[...].astype(dt)), max_logits
+        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits

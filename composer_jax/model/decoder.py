@@ -30,14 +30,15 @@ class DecoderLayer(nnx.Module):
         """h: [batch, seq, embed] -> (h, stats).
 
         stats: `max_logits` f32[heads] (per-head largest attention logit) and, for an MoE layer,
-        `expert_load` f32[experts] (assignments per expert, for the bias update).
+        the MoE stats (`expert_load` f32[experts] for the bias update, `dropped` int32[]).
         """
         attn, max_logits = self.attn(self.input_norm(h), cos, sin, mask)
         h = h + attn
         stats = {"max_logits": max_logits}
         ffn = self.mlp(self.post_attn_norm(h))
         if isinstance(ffn, tuple):
-            ffn, stats["expert_load"] = ffn
+            ffn, moe_stats = ffn
+            stats.update(moe_stats)
         return h + ffn, stats
 
 

@@ -9,17 +9,25 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model import dispatch
 from composer_jax.model.layers import MLP, param
+from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.model.router import Router, expert_load
+from composer_jax.parallel.mesh import current
+from composer_jax.parallel.partitioning import activation_spec
 
 
 class MoE(nnx.Module):
-    """x: [batch, seq, embed] -> (y [batch, seq, embed], load f32[experts])."""
+    """x: [batch, seq, embed] -> (y [batch, seq, embed], stats).
+
+    stats: `expert_load` f32[experts] (assignments per expert) and `dropped` int32[] (assignments
+    dropped by a fixed-capacity dispatch). Under an active DualMesh the routed experts run on the
+    expert mesh (composer_jax.model.expert_parallel); without one, on the local backend.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         moe, d, pd = cfg.moe, cfg.hidden_size, cfg.param_dtype
         self.num_experts = moe.n_routed_experts
         self.dtype = jnp.dtype(cfg.dtype)
-        self.dispatch = dispatch.BACKENDS[moe.dispatch]
+        self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
         self.router = Router(cfg, rngs=rngs)
         e, f = moe.n_routed_experts, moe.moe_intermediate_size
         # Stacked expert weights: the expert axis is a batch axis (Muon orthogonalizes per expert).
@@ -31,13 +39,28 @@ class MoE(nnx.Module):
         self.shared = (MLP(cfg, f * moe.n_shared_experts, rngs=rngs, mlp_axis="moe_mlp")
                        if moe.n_shared_experts else None)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, s, d = x.shape
-        tokens = x.reshape(b * s, d).astype(self.dtype)
-        weights, idx = self.router(tokens)
-        experts = dispatch.ExpertWeights(*(w[...].astype(self.dtype)
-                                           for w in (self.gate_proj, self.up_proj, self.down_proj)))
-        y = self.dispatch(tokens, weights, idx, experts).reshape(b, s, d)
+        dual = current()
+        experts = (self.gate_proj, self.up_proj, self.down_proj)
+        if dual is None:
+            if self.dispatch not in dispatch.BACKENDS:
+                raise ValueError(f"moe.dispatch={self.dispatch!r} needs a DualMesh: run the model under "
+                                 "`with composer_jax.parallel.DualMesh(...):` or use 'ragged' / 'dense'")
+            tokens = x.reshape(b * s, d).astype(self.dtype)
+            weights, idx = self.router(tokens)
+            w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
+            y = dispatch.BACKENDS[self.dispatch](tokens, weights, idx, w).reshape(b, s, d)
+            stats = {"expert_load": expert_load(idx, self.num_experts), "dropped": jnp.zeros((), jnp.int32)}
+        else:
+            tokens = jnp.reshape(x.astype(self.dtype), (b * s, d), out_sharding=activation_spec("tokens", None))
+            weights, idx = self.router(tokens)
+            with dual.expert_scope():
+                w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
+            y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w,
+                                                self.capacity_factor)
+            y = jnp.reshape(y, (b, s, d), out_sharding=activation_spec("batch", "seq", None))
+            stats = {"expert_load": load, "dropped": dropped}
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, expert_load(idx, self.num_experts)
+        return y, stats

@@ -20,7 +20,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
-from composer_jax.model.layers import Embed, RMSNorm, param
+from composer_jax.model.layers import Embed, RMSNorm, param, weight
 
 
 class MTPDepth(nnx.Module):
@@ -39,7 +39,7 @@ class MTPDepth(nnx.Module):
 
     def __call__(self, h_prev, emb, cos, sin, mask):
         x = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1).astype(self.dtype)
-        h, stats = self.layer(x @ self.eh_proj[...].astype(self.dtype), cos, sin, mask)
+        h, stats = self.layer(x @ weight(self.eh_proj, self.dtype), cos, sin, mask)
         return h, (self.head_norm(h), stats)
 
 
@@ -56,15 +56,20 @@ class MTP(nnx.Module):
         self.num_depths = cfg.mtp.num_layers
         self.depths = create_stack(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp.num_layers, rngs)
 
-    def __call__(self, hidden, tokens, segment_ids, embed: Embed, cos, sin, mask):
-        """hidden: [batch, seq, embed] (main model, after final norm); tokens: int[batch, seq].
+    def __call__(self, hidden, next_tokens, embed: Embed, cos, sin, mask):
+        """hidden: [batch, seq, embed] (main model, after final norm); next_tokens: int[depths, batch, seq]
+        (depth k sees t[i+k]: `shifted_tokens`).
 
         Returns head-normed hidden states [depths, batch, seq, embed] and the depths' layer stats
         (each with a leading depths axis).
         """
-        shifted = jnp.stack([shift_left(tokens, k) for k in range(1, self.num_depths + 1)])
-        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, embed(shifted), cos, sin, mask)
+        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, embed(next_tokens), cos, sin, mask)
         return mtp_hidden, stats
+
+
+def shifted_tokens(tokens: jax.Array, depths: int) -> jax.Array:
+    """int[depths, batch, seq]: the input tokens of MTP depths 1..D, t[i+k] (0 past the end)."""
+    return jnp.stack([shift_left(tokens, k) for k in range(1, depths + 1)])
 
 
 def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig, MoEConfig
-from composer_jax.model.layers import RouterBias, param
+from composer_jax.model.layers import RouterBias, param, weight
 
 
 def route(scores: jax.Array, bias: jax.Array, moe: MoEConfig) -> tuple[jax.Array, jax.Array]:
@@ -28,7 +28,7 @@ def route(scores: jax.Array, bias: jax.Array, moe: MoEConfig) -> tuple[jax.Array
         grouped = choice.reshape(tokens, moe.n_group, experts // moe.n_group)
         group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)                     # [tokens, groups]
         _, kept = jax.lax.top_k(group_score, moe.topk_group)
-        keep = jnp.zeros_like(group_score, dtype=bool).at[jnp.arange(tokens)[:, None], kept].set(True)
+        keep = (kept[:, :, None] == jnp.arange(moe.n_group)).any(axis=1)          # [tokens, groups]
         choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, experts)
     _, idx = jax.lax.top_k(choice, moe.num_experts_per_tok)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
@@ -56,10 +56,11 @@ class Router(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.moe = cfg.moe
         e = cfg.moe.n_routed_experts
-        self.kernel = param(rngs, (cfg.hidden_size, e), ("embed", "experts"), cfg.param_dtype,
-                            reduction=("embed",), output=("experts",))
-        self.bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=("experts",))
+        # `router_experts`, not `experts`: the router is a dense weight; `experts` marks expert-grid weights.
+        self.kernel = param(rngs, (cfg.hidden_size, e), ("embed", "router_experts"), cfg.param_dtype,
+                            reduction=("embed",), output=("router_experts",))
+        self.bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=("router_experts",))
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits = x.astype(jnp.float32) @ self.kernel[...].astype(jnp.float32)   # router math in f32
-        return route(jax.nn.sigmoid(logits), self.bias[...], self.moe)
+        logits = x.astype(jnp.float32) @ weight(self.kernel, jnp.float32)   # router math in f32
+        return route(jax.nn.sigmoid(logits), weight(self.bias, jnp.float32), self.moe)

@@ -12,10 +12,12 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
-from composer_jax.model.attention import attention_mask
+from composer_jax.model.attention import attention_mask, gather_sequence, load_balanced_order
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
-from composer_jax.model.layers import Embed, RMSNorm, param
-from composer_jax.model.mtp import MTP
+from composer_jax.model.layers import Embed, RMSNorm, param, weight
+from composer_jax.model.mtp import MTP, shifted_tokens
+from composer_jax.parallel.mesh import current
+from composer_jax.parallel.partitioning import activation_spec
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
@@ -26,9 +28,42 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
+class SequenceLayout:
+    """Where a batch's [..., batch, seq, ...] arrays live: unsharded without an active DualMesh, else
+    batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order."""
+
+    def __init__(self, seq: int):
+        self.dual = current()
+        cp = self.dual.cp if self.dual is not None else 1
+        self.order = load_balanced_order(seq, cp) if cp > 1 else None
+        self.inverse = np.argsort(self.order) if cp > 1 else None
+
+    def _spec(self, ndim: int, seq_axis: int, seq_mesh_axis):
+        spec = [None] * ndim
+        spec[seq_axis - 1], spec[seq_axis] = "batch", seq_mesh_axis
+        return activation_spec(*spec)
+
+    def _move(self, x, seq_axis: int, permutation, to_seq):
+        if self.dual is None:
+            return x
+        if permutation is not None:
+            x = jax.sharding.reshard(x, self._spec(x.ndim, seq_axis, None))
+            x = jnp.take(x, permutation, axis=seq_axis)
+        return jax.sharding.reshard(x, self._spec(x.ndim, seq_axis, to_seq))
+
+    def place(self, x: jax.Array) -> jax.Array:
+        """[..., batch, seq] in natural order -> sharded (and chunk-ordered under CP)."""
+        return self._move(x, x.ndim - 1, self.order, "seq")
+
+    def restore(self, x: jax.Array) -> jax.Array:
+        """[..., batch, seq, dim] from `place` order -> natural sequence order (still sharded)."""
+        return self._move(x, x.ndim - 2, self.inverse, "seq")
+
+
 class Output(NamedTuple):
     hidden: jax.Array               # [batch, seq, embed], after the final norm
     expert_load: jax.Array          # f32[moe_layers, experts]: assignments per expert, for the bias update
+    dropped: jax.Array              # int32[moe_layers]: assignments dropped by a fixed-capacity dispatch
     max_logits: jax.Array           # f32[layers, heads]: largest attention logit per head (QK-clip)
     mtp_hidden: jax.Array | None    # [depths, batch, seq, embed], after each MTP head norm
     mtp_stats: dict | None          # the MTP layers' `max_logits` / `expert_load`, leading depths axis
@@ -71,33 +106,41 @@ class CausalLM(nnx.Module):
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
         crosses a segment); positions: int[batch, seq] (default: restart at 0 in each segment).
+        Under an active DualMesh the batch is sharded on (replica, fsdp) and the sequence on cp (in
+        the load-balanced chunk order, undone on the outputs).
         """
         self._check_inputs(tokens, segment_ids, positions)
         if segment_ids is None:
             segment_ids = jnp.zeros(tokens.shape, jnp.int32)
         if positions is None:
             positions = document_positions(segment_ids)
-        cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, positions)
-        mask = attention_mask(segment_ids)
-        h = self.embed(tokens)
+        layout = SequenceLayout(tokens.shape[1])
+        order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        order_q, segment_q = layout.place(order), layout.place(segment_ids)
+        mask = attention_mask(segment_q, gather_sequence(segment_q), order_q, gather_sequence(order_q))
+        cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, layout.place(positions))
+        h = self.embed(layout.place(tokens))
         max_logits = []
         if self.dense_layers is not None:
             h, stats = scan_stack(self.dense_layers, h, None, cos, sin, mask)
             max_logits.append(stats["max_logits"])
         load = jnp.zeros((0, self.cfg.moe.n_routed_experts), jnp.float32)
+        dropped = jnp.zeros((0,), jnp.int32)
         if self.moe_layers is not None:
             h, stats = scan_stack(self.moe_layers, h, None, cos, sin, mask)
             max_logits.append(stats["max_logits"])
-            load = stats["expert_load"]
+            load, dropped = stats["expert_load"], stats["dropped"]
         hidden = self.final_norm(h)
         mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
-            mtp_hidden, mtp_stats = self.mtp(hidden, tokens, segment_ids, self.embed, cos, sin, mask)
-        return Output(hidden, load, jnp.concatenate(max_logits), mtp_hidden, mtp_stats)
+            next_tokens = layout.place(shifted_tokens(tokens, self.cfg.mtp.num_layers))
+            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask)
+            mtp_hidden = layout.restore(mtp_hidden)
+        return Output(layout.restore(hidden), load, dropped, jnp.concatenate(max_logits), mtp_hidden, mtp_stats)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""
-        return jnp.dot(hidden, self.lm_head[...].astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, weight(self.lm_head, hidden.dtype), preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         """tokens: int32[batch, seq] -> float32 logits [batch, seq, vocab]."""

@@ -1,0 +1,123 @@
+"""DualMesh: a dense mesh and an expert mesh over one device list, in one order, Explicit axes.
+
+    dense  ('replica', 'fsdp', 'cp')     dense weights on fsdp; batch on (replica, fsdp); sequence on cp
+    expert ('ereplica', 'efsdp', 'ep')   routed-expert weights on ep (experts) and efsdp (embed dim)
+
+Both meshes reshape the same flat device list row-major, so the token shard with flat index i lives on
+the same device under `P(('replica', 'fsdp', 'cp'))` on the dense mesh and `P(('ereplica', 'efsdp',
+'ep'))` on the expert mesh: moving tokens between grids is `jax.sharding.reshard` with no collective.
+This file owns the JAX rules that bite with two meshes (shared/reference/frameworks.md section 2):
+- no single op may mix arrays of both meshes: code on expert-mesh arrays runs under `expert_scope()`;
+- `shard_map` inputs must already be on its mesh: `to_expert` / `to_dense` move token arrays;
+- a different device order is silently wrong: both meshes are built here from one device array.
+
+The model finds the active DualMesh through `current()`; `with dual_mesh:` activates it (and makes the
+dense mesh JAX's context mesh). Without an active DualMesh the model runs unsharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.config import ConfigError, MeshConfig, ModelConfig
+
+DENSE_AXES = ("replica", "fsdp", "cp")
+EXPERT_AXES = ("ereplica", "efsdp", "ep")
+BATCH_AXES = ("replica", "fsdp")       # dense-mesh batch sharding
+DENSE_TOKEN_AXES = DENSE_AXES          # flattened [batch * seq] tokens on the dense mesh
+EXPERT_TOKEN_AXES = EXPERT_AXES        # the same token shards on the expert mesh
+
+_ACTIVE: contextvars.ContextVar["DualMesh | None"] = contextvars.ContextVar("dual_mesh", default=None)
+
+
+def current() -> "DualMesh | None":
+    """The DualMesh activated with `with dual_mesh:`, or None (unsharded run)."""
+    return _ACTIVE.get()
+
+
+def resolve_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Axis sizes with -1 filled in; each grid must multiply to `num_devices`."""
+    sizes = {}
+    for grid in (DENSE_AXES, EXPERT_AXES):
+        given = {a: getattr(cfg, a) for a in grid}
+        known = math.prod(s for s in given.values() if s != -1)
+        for axis, size in given.items():
+            if size == -1:
+                if num_devices % known:
+                    raise ConfigError(axis, f"cannot fill: the other {grid} sizes ({known}) do not divide "
+                                            f"the {num_devices} devices")
+                size = num_devices // known
+            sizes[axis] = size
+        product = math.prod(sizes[a] for a in grid)
+        if product != num_devices:
+            layout = " x ".join(f"{a}={sizes[a]}" for a in grid)
+            raise ConfigError(grid[0], f"{layout} = {product} devices, but there are {num_devices}")
+    return sizes
+
+
+def check_model(sizes: dict[str, int], model: ModelConfig) -> None:
+    """Raise ConfigError when the model cannot run on this layout."""
+    experts = model.moe.n_routed_experts
+    if experts % sizes["ep"]:
+        raise ConfigError("ep", f"ep={sizes['ep']} must divide n_routed_experts={experts}")
+    if model.hidden_size % sizes["efsdp"]:
+        raise ConfigError("efsdp", f"efsdp={sizes['efsdp']} must divide hidden_size={model.hidden_size}")
+
+
+class DualMesh:
+    """The dense and expert meshes over one device list (see module docstring)."""
+
+    def __init__(self, cfg: MeshConfig, devices=None, model: ModelConfig | None = None):
+        devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
+        self.cfg = cfg
+        self.sizes = resolve_sizes(cfg, devices.size)
+        if model is not None:
+            check_model(self.sizes, model)
+        explicit = lambda n: (AxisType.Explicit,) * n  # noqa: E731
+        self.dense = Mesh(devices.reshape([self.sizes[a] for a in DENSE_AXES]), DENSE_AXES,
+                          axis_types=explicit(3))
+        self.expert = Mesh(devices.reshape([self.sizes[a] for a in EXPERT_AXES]), EXPERT_AXES,
+                           axis_types=explicit(3))
+        self._tokens: list = []
+
+    def __repr__(self) -> str:
+        fmt = lambda axes: ", ".join(f"{a}={self.sizes[a]}" for a in axes)  # noqa: E731
+        return f"DualMesh(dense=({fmt(DENSE_AXES)}), expert=({fmt(EXPERT_AXES)}))"
+
+    def __enter__(self) -> "DualMesh":
+        mesh_ctx = jax.set_mesh(self.dense)
+        mesh_ctx.__enter__()
+        self._tokens.append((_ACTIVE.set(self), mesh_ctx))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        token, mesh_ctx = self._tokens.pop()
+        _ACTIVE.reset(token)
+        mesh_ctx.__exit__(*exc)
+
+    @property
+    def cp(self) -> int:
+        return self.sizes["cp"]
+
+    @contextlib.contextmanager
+    def expert_scope(self):
+        """Trace-time scope for ops on expert-mesh arrays (JAX checks the context mesh per op)."""
+        with jax.sharding.use_abstract_mesh(self.expert.abstract_mesh):
+            yield
+
+    def to_expert(self, x: jax.Array) -> jax.Array:
+        """[tokens, ...] sharded on the dense token axes -> the same shards on the expert mesh."""
+        spec = P(EXPERT_TOKEN_AXES, *([None] * (x.ndim - 1)))
+        return jax.sharding.reshard(x, NamedSharding(self.expert, spec))
+
+    def to_dense(self, x: jax.Array) -> jax.Array:
+        """[tokens, ...] sharded on the expert token axes -> the same shards on the dense mesh."""
+        spec = P(DENSE_TOKEN_AXES, *([None] * (x.ndim - 1)))
+        return jax.sharding.reshard(x, NamedSharding(self.dense, spec))
