@@ -193,3 +193,36 @@ def test_ep_ragged_equals_dense_on_gpu():
     y, _, dropped = _run_sharded("ep_ragged", 0.0, MeshConfig(fsdp=-1, ep=-1), case)
     assert dropped == 0
     np.testing.assert_allclose(y, np.asarray(dispatch.dense(x, weights, idx, w)), rtol=1e-4, atol=1e-4)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """jax.lax.ragged_all_to_all's documented semantics built from all_gather (XLA:CPU lacks the op):
+    source s's rows [input_offsets_s[r], +send_sizes_s[r]) land in rank r's output at output_offsets_s[r]."""
+    me = jax.lax.axis_index(axis_name)
+    rows = jax.lax.all_gather(operand, axis_name)                       # [src, n, ...]
+    start = jax.lax.all_gather(output_offsets, axis_name)[:, me]        # [src]: where its block lands here
+    size = jax.lax.all_gather(send_sizes, axis_name)[:, me]
+    offset = jax.lax.all_gather(input_offsets, axis_name)[:, me]
+    i = jnp.arange(output.shape[0])[:, None]
+    inside = (i >= start) & (i < start + size)                          # [out_rows, src]
+    src = jnp.argmax(inside, axis=1)
+    row = jnp.clip(offset[src] + i[:, 0] - start[src], 0, operand.shape[0] - 1)
+    got = rows[src, row]
+    keep = inside.any(axis=1).reshape((-1,) + (1,) * (operand.ndim - 1))
+    return jnp.where(keep, got, output)
+
+
+def test_ep_ragged_exchange_logic_with_emulated_collective(monkeypatch):
+    """The offsets and sizes ep_ragged computes are right: with the collective emulated on CPU it
+    equals dense dispatch, on two layouts. The real op runs in the GPU test."""
+    from composer_jax.model import expert_parallel
+
+    monkeypatch.setattr(expert_parallel.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    case = _dispatch_case(seed=2)
+    x, weights, idx, w = case
+    ref = np.asarray(dispatch.dense(x, weights, idx, w))
+    for mesh_cfg in (MeshConfig(fsdp=8, ep=8), MeshConfig(replica=2, fsdp=4, ereplica=2, ep=4)):
+        y, _, dropped = _run_sharded("ep_ragged", 0.0, mesh_cfg, case)
+        assert dropped == 0
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
