@@ -167,3 +167,29 @@ def test_full_kimi_forward_lowers_abstractly():
     assert elapsed < 120, f"lowering took {elapsed:.1f}s: is the layer stack unrolled?"
     # Dense layers, MoE layers and MTP depths are one scan each, not 62 unrolled layers.
     assert lowered.as_text().count("stablehlo.while") <= 3
+
+
+def test_prefix_latents_equal_full_context(tiny):
+    """Tokens run after a prefix's latents see exactly what they see in one full-context forward,
+    with padded prefix slots masked out (the RL teacher's path)."""
+    cfg = config.replace(tiny, **{"mtp.num_layers": 0})
+    model = CausalLM(cfg, rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(4)
+    context, new = rng.integers(0, 256, (2, 20)).astype(np.int32), rng.integers(0, 256, (2, 12)).astype(np.int32)
+
+    @nnx.jit
+    def run(model, context, new):
+        full = model.forward(jnp.concatenate([context, new], axis=1)).hidden[:, 20:]
+        cache = model.forward(context, return_latents=True).latents
+        # Pad the prefix with 5 garbage slots that must be ignored.
+        pad = lambda a: jnp.concatenate([a, jnp.full(a.shape[:2] + (5,) + a.shape[3:], 7.0, a.dtype)], axis=2)
+        prefix = cache._replace(c_kv=pad(cache.c_kv), k_rope=pad(cache.k_rope),
+                                valid=jnp.concatenate([cache.valid, jnp.zeros((2, 5), bool)], axis=1))
+        positions = jnp.broadcast_to(20 + jnp.arange(12, dtype=jnp.int32), new.shape)
+        return full, model.forward(new, positions=positions, prefix=prefix).hidden, cache
+
+    full, with_prefix, cache = run(model, context, new)
+    assert cache.c_kv.shape == (4, 2, 20, 32) and cache.k_rope.shape == (4, 2, 20, 8)
+    np.testing.assert_allclose(np.asarray(with_prefix), np.asarray(full), atol=1e-5)
+    with pytest.raises(ValueError, match=r"prefix.c_kv has shape \[4, 2, 20, 31\]"):
+        model.forward(new, prefix=cache._replace(c_kv=cache.c_kv[..., :31]))

@@ -12,6 +12,8 @@ decompresses keys and values for the whole sequence locally.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,19 @@ from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
 from composer_jax.model.layers import RMSNorm, param, weight
 from composer_jax.parallel.partitioning import activation_spec
+
+
+class LatentCache(NamedTuple):
+    """The MLA latent that keys and values are decompressed from, per layer: what a decode cache holds
+    and what a prefix passes to a later forward.
+
+    c_kv: [layers, batch, len, kv_lora] (normalised); k_rope: [layers, batch, len, rope] (rotated at
+    the tokens' positions); valid: bool[batch, len] (False marks padding slots).
+    """
+
+    c_kv: jax.Array
+    k_rope: jax.Array
+    valid: jax.Array
 
 
 def attention_mask(segment_q: jax.Array, segment_k: jax.Array, order_q: jax.Array, order_k: jax.Array):
@@ -76,12 +91,14 @@ class MLA(nnx.Module):
         self.o_proj = param(rngs, (h, mla.v_head_dim, d), ("heads", "v_head", "embed"), pd,
                             reduction=("v_head",), output=("embed",))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array):
-        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, seq_k]
-        (seq_k: the whole sequence; seq: this device's queries under context parallelism).
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, prefix=None):
+        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, prefix + seq_k]
+        (seq_k: the whole sequence; seq: this device's queries under context parallelism); prefix:
+        optional (c_kv [batch, prefix, kv_lora], k_rope [batch, prefix, rope]) of earlier tokens that
+        every query may attend to (their mask columns come first).
 
-        Returns the output [batch, seq, embed] and each head's largest scaled attention logit f32[heads]
-        (tracked for QK-clip).
+        Returns the output [batch, seq, embed], each head's largest scaled attention logit f32[heads]
+        (tracked for QK-clip) and this layer's latent (c_kv, k_rope) of the input tokens.
         """
         mla, dt = self.cfg, self.dtype
         x = x.astype(dt)
@@ -92,7 +109,11 @@ class MLA(nnx.Module):
         kv_a = x @ weight(self.kv_a_proj, dt)                                          # [b, s, r_kv+rope]
         c_kv = self.kv_a_norm(kv_a[..., : mla.kv_lora_rank])
         k_rope = rope_lib.apply_rope(kv_a[:, :, None, mla.kv_lora_rank:], cos, sin)[:, :, 0]  # one shared head
+        latent = (c_kv, k_rope)
         c_kv, k_rope = gather_sequence(c_kv), gather_sequence(k_rope)                 # keys: whole sequence
+        if prefix is not None:
+            c_kv = jnp.concatenate([prefix[0].astype(dt), c_kv], axis=1)
+            k_rope = jnp.concatenate([prefix[1].astype(dt), k_rope], axis=1)
         kv = jnp.einsum("bsr,rhk->bshk", c_kv, weight(self.kv_b_proj, dt))
         k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s_k, h, *]
 
@@ -103,4 +124,4 @@ class MLA(nnx.Module):
         max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))                 # [h]
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
-        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
+        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits, latent

@@ -26,15 +26,18 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", pd, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
 
-    def __call__(self, h, cos, sin, mask) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """h: [batch, seq, embed] -> (h, stats).
+    def __call__(self, h, cos, sin, mask, prefix=None, return_latents: bool = False):
+        """h: [batch, seq, embed] -> (h, stats). `prefix`: this layer's (c_kv, k_rope) of earlier tokens.
 
-        stats: `max_logits` f32[heads] (per-head largest attention logit) and, for an MoE layer,
-        the MoE stats (`expert_load` f32[experts] for the bias update, `dropped` int32[]).
+        stats: `max_logits` f32[heads] (per-head largest attention logit), with `return_latents` the
+        layer's `latent` (c_kv, k_rope), and for an MoE layer the MoE stats (`expert_load`
+        f32[experts] for the bias update, `dropped` int32[]).
         """
-        attn, max_logits = self.attn(self.input_norm(h), cos, sin, mask)
+        attn, max_logits, latent = self.attn(self.input_norm(h), cos, sin, mask, prefix)
         h = h + attn
         stats = {"max_logits": max_logits}
+        if return_latents:
+            stats["latent"] = latent
         ffn = self.mlp(self.post_attn_norm(h))
         if isinstance(ffn, tuple):
             ffn, moe_stats = ffn
@@ -55,13 +58,15 @@ def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:
     return stack
 
 
-def scan_stack(stack: nnx.Module, carry, xs=None, *args):
-    """Run `layer(carry, [x,] *args) -> (carry, out)` over a stacked module; returns (carry, stacked outs)."""
+def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, **kwargs):
+    """Run `layer(carry, *args, **per_layer[i], **kwargs) -> (carry, out)` over a stacked module.
+
+    per_layer: keyword inputs with a leading layers axis, sliced per layer. Returns (carry, stacked outs).
+    """
     graphdef, state = nnx.split(stack)
 
     def body(carry, scanned):
-        layer_state, x = scanned
-        layer = nnx.merge(graphdef, layer_state)
-        return layer(carry, *((x,) if xs is not None else ()), *args)
+        layer_state, sliced = scanned
+        return nnx.merge(graphdef, layer_state)(carry, *args, **(sliced or {}), **kwargs)
 
-    return jax.lax.scan(body, carry, (state, xs))
+    return jax.lax.scan(body, carry, (state, per_layer))

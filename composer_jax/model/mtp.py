@@ -37,7 +37,7 @@ class MTPDepth(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_moe_layers > 0, rngs=rngs)
         self.head_norm = RMSNorm(d, eps, "embed", pd, rngs=rngs)
 
-    def __call__(self, h_prev, emb, cos, sin, mask):
+    def __call__(self, h_prev, cos, sin, mask, emb):
         x = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1).astype(self.dtype)
         h, stats = self.layer(x @ weight(self.eh_proj, self.dtype), cos, sin, mask)
         return h, (self.head_norm(h), stats)
@@ -63,7 +63,8 @@ class MTP(nnx.Module):
         Returns head-normed hidden states [depths, batch, seq, embed] and the depths' layer stats
         (each with a leading depths axis).
         """
-        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, embed(next_tokens), cos, sin, mask)
+        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask,
+                                            per_layer={"emb": embed(next_tokens)})
         return mtp_hidden, stats
 
 

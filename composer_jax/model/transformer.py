@@ -12,7 +12,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
-from composer_jax.model.attention import attention_mask, gather_sequence, load_balanced_order
+from composer_jax.model.attention import LatentCache, attention_mask, gather_sequence, load_balanced_order
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
 from composer_jax.model.mtp import MTP, shifted_tokens
@@ -67,6 +67,7 @@ class Output(NamedTuple):
     max_logits: jax.Array           # f32[layers, heads]: largest attention logit per head (QK-clip)
     mtp_hidden: jax.Array | None    # [depths, batch, seq, embed], after each MTP head norm
     mtp_stats: dict | None          # the MTP layers' `max_logits` / `expert_load`, leading depths axis
+    latents: LatentCache | None = None  # with return_latents: every layer's MLA latent of the tokens
 
 
 class CausalLM(nnx.Module):
@@ -101,11 +102,16 @@ class CausalLM(nnx.Module):
                 raise ValueError(f"token id {int(ids[where])} at position {list(where)} is out of range "
                                  f"[0, vocab_size={cfg.vocab_size}) ({len(bad)} out-of-range ids in total)")
 
-    def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True) -> Output:
+    def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
+                return_latents: bool = False, prefix: LatentCache | None = None) -> Output:
         """Hidden states of the main model and of every MTP depth.
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
         crosses a segment); positions: int[batch, seq] (default: restart at 0 in each segment).
+        return_latents: also return every layer's MLA latent of these tokens (`Output.latents`).
+        prefix: latents of earlier tokens (e.g. another forward's `latents`) that every token may
+        attend to where `prefix.valid`; pass the new tokens' `positions` continuing after it. Gradients
+        flow into the prefix unless the caller stops them.
         Under an active DualMesh the batch is sharded on (replica, fsdp) and the sequence on cp (in
         the load-balanced chunk order, undone on the outputs).
         """
@@ -118,25 +124,53 @@ class CausalLM(nnx.Module):
         order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         order_q, segment_q = layout.place(order), layout.place(segment_ids)
         mask = attention_mask(segment_q, gather_sequence(segment_q), order_q, gather_sequence(order_q))
+        if prefix is not None:
+            self._check_prefix(prefix, tokens.shape[0], layout, with_mtp)
+            visible = jnp.broadcast_to(prefix.valid[:, None, :], mask.shape[:2] + prefix.valid.shape[1:])
+            mask = jnp.concatenate([visible, mask], axis=-1)
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, layout.place(positions))
         h = self.embed(layout.place(tokens))
-        max_logits = []
-        if self.dense_layers is not None:
-            h, stats = scan_stack(self.dense_layers, h, None, cos, sin, mask)
-            max_logits.append(stats["max_logits"])
+        max_logits, latents = [], []
         load = jnp.zeros((0, self.cfg.moe.n_routed_experts), jnp.float32)
         dropped = jnp.zeros((0,), jnp.int32)
-        if self.moe_layers is not None:
-            h, stats = scan_stack(self.moe_layers, h, None, cos, sin, mask)
+        first = 0
+        for stack, n in ((self.dense_layers, self.cfg.num_dense_layers), (self.moe_layers, self.cfg.num_moe_layers)):
+            if stack is None:
+                continue
+            per_layer = None if prefix is None else {
+                "prefix": (prefix.c_kv[first:first + n], prefix.k_rope[first:first + n])}
+            h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, return_latents=return_latents)
+            first += n
             max_logits.append(stats["max_logits"])
-            load, dropped = stats["expert_load"], stats["dropped"]
+            latents.append(stats.get("latent"))
+            if "expert_load" in stats:
+                load, dropped = stats["expert_load"], stats["dropped"]
         hidden = self.final_norm(h)
         mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
             next_tokens = layout.place(shifted_tokens(tokens, self.cfg.mtp.num_layers))
             mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask)
             mtp_hidden = layout.restore(mtp_hidden)
-        return Output(layout.restore(hidden), load, dropped, jnp.concatenate(max_logits), mtp_hidden, mtp_stats)
+        cache = None
+        if return_latents:
+            c_kv, k_rope = (jnp.concatenate([lat[i] for lat in latents]) for i in (0, 1))
+            cache = LatentCache(layout.restore(c_kv), layout.restore(k_rope), jnp.ones(tokens.shape, bool))
+        return Output(layout.restore(hidden), load, dropped, jnp.concatenate(max_logits), mtp_hidden, mtp_stats,
+                      cache)
+
+    def _check_prefix(self, prefix: LatentCache, batch: int, layout: SequenceLayout, with_mtp: bool) -> None:
+        mla, layers = self.cfg.mla, self.cfg.num_layers
+        want = {"c_kv": (layers, batch, None, mla.kv_lora_rank),
+                "k_rope": (layers, batch, None, mla.qk_rope_head_dim), "valid": (batch, None)}
+        for name, shape in want.items():
+            got = getattr(prefix, name).shape
+            if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+                raise ValueError(f"prefix.{name} has shape {list(got)}, expected "
+                                 f"{['len' if w is None else w for w in shape]}")
+        if layout.order is not None:
+            raise ValueError("a prefix cannot be combined with context parallelism (cp > 1)")
+        if with_mtp and self.mtp is not None:
+            raise ValueError("a prefix runs the main model only: pass with_mtp=False")
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""
