@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from composer_jax.config import ConfigError
+from composer_jax.data.errors import DataError
 
 EXIT_USAGE = 2
 
@@ -118,12 +120,97 @@ def _add_info(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# pretrain / sft / plot
+
+
+def _use_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` fake host devices (CPU runs); only effective before JAX starts its backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _quiet_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("absl", "jax", "orbax", "tensorboardX"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _run_training(args, command: str) -> int:
+    from composer_jax.train.config import load_run_config
+
+    if "=" in args.config:  # `composer-jax pretrain train.steps=5`: an override, not a config
+        args.overrides, args.config = [args.config, *args.overrides], args.default_config
+    cfg = load_run_config(args.config, args.overrides)
+    if command == "sft" and cfg.data.format != "chat":
+        raise ConfigError("data.format", "sft trains on conversations (loss on assistant tokens): set data.format=chat")
+    _use_cpu_devices(cfg.train.cpu_devices)
+    _quiet_logging()
+    from composer_jax.train.loop import train
+
+    s = train(cfg)
+    line = f"{command}: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
+    if "first_eval_loss" in s and "last_eval_loss" in s:
+        drop = 100 * (1 - s["last_eval_loss"] / s["first_eval_loss"])
+        line += f"; held-out loss {s['first_eval_loss']:.4f} -> {s['last_eval_loss']:.4f} ({drop:.1f}% lower)"
+    elif "last_eval_loss" in s:
+        line += f"; held-out loss {s['last_eval_loss']:.4f}"
+    if s["skipped_steps"]:
+        line += f"; {s['skipped_steps']} non-finite steps skipped"
+    if s["skipped_records"]:
+        line += "; skipped records: " + ", ".join(f"{k} {v}" for k, v in s["skipped_records"].items())
+    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/; "
+          f"plot: composer-jax plot {cfg.run_dir})")
+    return 0
+
+
+def _add_training(sub, command: str, default: str, help_text: str) -> None:
+    p = sub.add_parser(command, help=help_text,
+                       description=f"{help_text}. Resumes from RUN_DIR/checkpoints when present.")
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"a run YAML path or a bundled run config name (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. train.steps=50 model.rope.factor=16")
+    p.set_defaults(run=lambda args: _run_training(args, command), default_config=default)
+
+
+def _add_pretrain(sub) -> None:
+    _add_training(sub, "pretrain", "pretrain-tiny",
+                  "continued pretraining or context extension (MTP, checkpoints, metrics)")
+
+
+def _add_sft(sub) -> None:
+    _add_training(sub, "sft", "sft-tiny", "supervised fine-tuning on conversations (loss on assistant tokens)")
+
+
+def _run_plot(args) -> int:
+    from composer_jax.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="PNG curves of a training run", description="Plot RUN_DIR/metrics.jsonl "
+                       "(loss, held-out loss, MTP, throughput, MFU, lr, grad norm, expert balance) as PNGs.")
+    p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+    p.set_defaults(run=_run_plot)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="composer-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     _add_info(sub)
+    _add_pretrain(sub)
+    _add_sft(sub)
+    _add_plot(sub)
     return parser
 
 
@@ -138,7 +225,7 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.run(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, DataError) as e:
         print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -1,0 +1,1 @@
+"""Training data: tokenizers, grain sources, packing, SFT conversations."""

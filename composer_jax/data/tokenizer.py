@@ -1,0 +1,150 @@
+"""Tokenizers: byte-level by default, a Hugging Face `tokenizer.json`, or a tiktoken BPE file.
+
+All three expose the same small interface (`Tokenizer`): `encode(text) -> int32[n]`, `decode(ids)`,
+`vocab_size` (one past the largest id it can produce) and `eos_id` (or None). `load_tokenizer(spec)`
+picks one from a config string: `byte`, a path ending in `.json` (HF `tokenizers`), or any other path
+(a tiktoken BPE file: one `base64(token) rank` pair per line). A file that does not load is a
+`TokenizerError` naming the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from composer_jax.data.errors import DataError
+
+
+class TokenizerError(DataError):
+    """A tokenizer spec or file cannot be used; the message names the file."""
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255: lossless for any text, no vocabulary file, no EOS id."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_id = None
+
+    def encode(self, text: str) -> np.ndarray:
+        """str -> int32[num_bytes]."""
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json (no special tokens added on encode)."""
+
+    def __init__(self, path: Path):
+        try:
+            from tokenizers import Tokenizer as _Tok
+        except ImportError as e:  # pragma: no cover - tokenizers is a dependency
+            raise TokenizerError(f"{path}: loading a tokenizer.json needs the `tokenizers` package") from e
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exception subclasses
+            raise TokenizerError(f"tokenizer file {path} does not load as a Hugging Face tokenizer.json: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.name = str(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_id = _find_eos(self._tok.token_to_id)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+# tiktoken needs a pre-tokenization regex next to the ranks; this is cl100k_base's, which also suits code.
+TIKTOKEN_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+                    r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+EOS_NAMES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>", "[EOS]")
+
+
+def _find_eos(token_to_id) -> int | None:
+    for name in EOS_NAMES:
+        if (i := token_to_id(name)) is not None:
+            return int(i)
+    return None
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken BPE file (`base64(token) rank` per line) into {token bytes: rank}."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise TokenizerError(f"tokenizer file {path} cannot be read: {e.strerror or e}") from None
+    ranks = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, base64.binascii.Error):
+            raise TokenizerError(f"tokenizer file {path} is neither a tokenizer.json nor a tiktoken BPE file: "
+                                 f"line {n} is not `base64-token rank`: {line[:60]!r}") from None
+    if not ranks:
+        raise TokenizerError(f"tokenizer file {path} holds no tokens")
+    return ranks
+
+
+class TiktokenTokenizer:
+    """A tiktoken BPE file; `<|endoftext|>` is added as a special token right after the ranks (the EOS)."""
+
+    def __init__(self, path: Path):
+        import tiktoken
+
+        ranks = read_tiktoken_ranks(path)
+        eos = max(ranks.values()) + 1
+        try:
+            self._enc = tiktoken.Encoding(name=path.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                                          special_tokens={"<|endoftext|>": eos})
+        except Exception as e:
+            raise TokenizerError(f"tokenizer file {path} does not load as a tiktoken BPE file: {e}") from None
+        self.name, self.vocab_size, self.eos_id = str(path), eos + 1, eos
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._enc.encode_ordinary(text), np.int32)
+
+    def decode(self, ids) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte`, a tokenizer.json path, or a tiktoken BPE file path -> a Tokenizer."""
+    if spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise TokenizerError(f"tokenizer file {path} does not exist (use 'byte', a tokenizer.json or a "
+                             "tiktoken BPE file)")
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        else:
+            raise TokenizerError(f"tokenizer path {path} is a directory without a tokenizer.json")
+    if path.suffix == ".json":
+        try:  # a clearer message for JSON that is not a tokenizer at all
+            json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TokenizerError(f"tokenizer file {path} is not valid JSON: {e}") from None
+        return HFTokenizer(path)
+    return TiktokenTokenizer(path)

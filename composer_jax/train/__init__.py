@@ -1,0 +1,1 @@
+"""Training: configs, losses, the step and loop, metrics, plots."""

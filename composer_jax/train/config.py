@@ -1,0 +1,148 @@
+"""Run configs for pretraining, context extension and SFT: model + data + train + optimizer + checkpoint.
+
+A run YAML names its model by bundled config name or path (`model: tiny`) or spells it out as a
+mapping; `load_run_config` inlines the named model before applying `a.b=value` overrides, so
+`model.rope.factor=32` works either way. Dotted top-level keys inside the YAML are overrides too
+(applied before the command line's). The resolved config (every default filled in) is what runs,
+what checkpoints store and what `to_dict` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, from_dict, parse_override,
+                                 resolve_config_path)
+from composer_jax.data.config import DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer and its warmup-stable-decay (WSD) learning-rate schedule."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 20            # linear warmup from 0
+    decay_fraction: float = 0.2       # the last fraction of the steps decays to lr * min_lr_ratio
+    decay_shape: Literal["linear", "cosine"] = "linear"
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1         # decoupled; matrices only (not norms, embedding rows stay decayed)
+    max_grad_norm: float = 1.0        # global-norm clipping; 0 disables
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ConfigError("warmup_steps", "must be >= 0")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ConfigError("decay_fraction", f"must be in [0, 1], got {self.decay_fraction}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ConfigError("b1", "b1 and b2 must be in [0, 1)")
+        if self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError("weight_decay", "weight_decay and max_grad_norm must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100                  # save every N steps (and at the last step)
+    keep: int = 3                     # keep the K most recent
+    async_save: bool = True
+
+    def __post_init__(self):
+        if self.every <= 0 or self.keep <= 0:
+            raise ConfigError("every", "every and keep must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16              # rows per optimizer step (all devices, all micro-batches)
+    seq_len: int = 128
+    grad_accum: int = 1               # micro-batches per step; batch_size must divide evenly
+    remat: Literal["none", "full", "dots"] = "none"   # rematerialise the forward in the backward
+    loss_chunk: int = 512             # sequence positions per cross-entropy chunk: [batch, chunk, vocab] logits
+    mtp_distill_weight: float = 0.1   # MTP self-distillation KL toward the main head (stop-gradient)
+    log_every: int = 10
+    eval_every: int = 100             # held-out loss every N steps (also at step 0 and the end)
+    eval_batches: int = 8
+    progress: bool = True             # the progress bar (stderr)
+    peak_flops: float = 0.0           # per-device peak FLOP/s for MFU; 0 = by device kind / measured on CPU
+    num_devices: int = 0              # devices to use; 0 = all
+    cpu_devices: int = 8              # fake host devices for CPU runs (set before JAX starts)
+    seed: int = 0                     # model initialisation
+    init_from: str = ""               # a run directory whose latest checkpoint seeds the params (phase 2, SFT)
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "loss_chunk", "log_every", "eval_every",
+                     "eval_batches", "cpu_devices"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError("batch_size", f"{self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+        if self.mtp_distill_weight < 0 or self.peak_flops < 0 or self.num_devices < 0:
+            raise ConfigError("mtp_distill_weight", "mtp_distill_weight, peak_flops, num_devices must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    mesh: MeshConfig = MeshConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    run_dir: str = "runs/default"
+
+    def __post_init__(self):
+        max_len = self.model.rope.max_position_embeddings
+        if self.train.seq_len > max_len:
+            raise ConfigError("train.seq_len", f"{self.train.seq_len} is longer than the model supports "
+                                               f"(model.rope.max_position_embeddings={max_len})")
+        if not self.run_dir:
+            raise ConfigError("run_dir", "is empty")
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: malformed YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
+    """Read a run YAML (a path or a name under configs/), inline its model, apply overrides, validate."""
+    path = resolve_config_path(path_or_name, kind="")
+    data = _read_yaml(path)
+    # Dotted top-level keys in the YAML (`model.rope.factor: 8`) act as overrides, before the CLI's.
+    in_file = [(k, data.pop(k)) for k in [k for k in data if isinstance(k, str) and "." in k]]
+    overrides = in_file + [parse_override(o) if isinstance(o, str) else o for o in overrides]
+    for key, value in overrides:
+        if key == "model":
+            data["model"] = value
+    if "model" not in data:
+        raise ConfigError("model", f"required key is missing (in {path})")
+    if isinstance(data["model"], str):
+        try:
+            data["model"] = _read_yaml(resolve_config_path(data["model"], kind="model"))
+        except FileNotFoundError as e:
+            raise ConfigError("model", str(e)) from None
+    try:
+        return from_dict(RunConfig, apply_overrides(RunConfig, data, {k: v for k, v in overrides if k != "model"}))
+    except ConfigError as e:
+        raise ConfigError(e.key, f"{e.detail} (in {path})") from None

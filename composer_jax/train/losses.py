@@ -1,0 +1,150 @@
+"""Language-model losses over a large vocabulary without materialising [tokens, vocab] logits at once.
+
+`head_loss_sums` runs the output head over the sequence chunk by chunk inside a `lax.scan`; each
+chunk is rematerialised in the backward pass (`jax.checkpoint`), so forward and backward hold one
+[batch, chunk, vocab] block of float32 logits at a time. The batch axis stays whole, so the chunks
+keep the batch sharding of data / FSDP parallelism. It returns *sums* (of token cross-entropy and,
+optionally, of the self-distillation KL) so callers normalise once over a whole step, however it is
+split into micro-batches.
+
+The training objective (per step, over all micro-batches; D = MTP depths):
+
+    L = CE_main + (lambda / D) * sum_k CE_k + (beta / D) * sum_k KL_k
+    CE_main = mean over target tokens of -log p(t[i+1] | t[<=i])
+    CE_k    = mean over valid positions of -log P_k(t[i+k+1])            (MTP depth k)
+    KL_k    = mean over the same positions of KL(sg(p_main(. | i+k)) || P_k(. | i))
+
+The main head at position i+k predicts the same token t[i+k+1] as MTP depth k at position i, so its
+(stop-gradient) distribution is the self-distillation teacher for that depth.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.model.mtp import mtp_target_mask, shift_left
+
+
+def target_weights(tokens, segment_ids, loss_mask, offset: int) -> tuple[jax.Array, jax.Array]:
+    """Targets `offset` tokens ahead and where they count.
+
+    tokens, segment_ids, loss_mask: int[batch, seq]. Returns labels int32[batch, seq] (t[i+offset]) and
+    weights f32[batch, seq]: 1 where i+offset is inside the row, in the same document, and a training
+    target (loss_mask; 0 in padding), else 0.
+    """
+    valid = mtp_target_mask(segment_ids, offset - 1) & shift_left(loss_mask, offset).astype(bool)
+    return shift_left(tokens, offset).astype(jnp.int32), valid.astype(jnp.float32)
+
+
+def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
+    """h[:, i] <- h[:, i + k], zero-padded. h: [batch, seq, embed]."""
+    return jnp.concatenate([h[:, k:], jnp.zeros_like(h[:, :k])], axis=1)[:, : h.shape[1]]
+
+
+def _unshard_seq(x: jax.Array) -> jax.Array:
+    """x: [batch, seq, ...] with the sequence gathered whole (a no-op unless it is sequence-sharded)."""
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty or len(sharding.spec) < 2 or sharding.spec[1] is None:
+        return x
+    return jax.sharding.reshard(x, P(sharding.spec[0], None, *sharding.spec[2:]))
+
+
+def _chunk_sums(head, h, labels, weights, teacher):
+    """Sums over one chunk: [sum w * CE, (sum w * KL(teacher || student))]. h: [batch, chunk, embed]."""
+    logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)      # [batch, chunk, vocab]
+    logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    sums = [jnp.sum(weights * ce)]
+    if teacher is not None:
+        t_logits = jax.lax.stop_gradient(
+            jnp.dot(teacher, head.astype(teacher.dtype), preferred_element_type=jnp.float32))
+        t_logp = jax.nn.log_softmax(t_logits, axis=-1)
+        kl = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+        sums.append(jnp.sum(weights * kl))
+    return jnp.stack(sums)
+
+
+def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weights: jax.Array, *,
+                   chunk: int, teacher: jax.Array | None = None) -> jax.Array:
+    """Chunked cross-entropy (and KL) sums through the output head.
+
+    hidden: [batch, seq, embed]; head: [embed, vocab] (whole, not sharded); labels: int[batch, seq];
+    weights: f32[batch, seq]; teacher: [batch, seq, embed] hidden states whose head distribution is the
+    stop-gradient KL target. The sequence is cut into chunks of `chunk` positions, so one
+    [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard).
+    Returns f32[1] (CE sum) or f32[2] (CE sum, KL sum).
+    """
+    b, s, _ = hidden.shape
+    chunk = min(chunk, s)
+    pad = (-s) % chunk
+
+    def chunks(x):  # [batch, seq, ...] -> [num_chunks, batch, chunk, ...]
+        x = _unshard_seq(x)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, (s + pad) // chunk, chunk, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    xs = (chunks(hidden), chunks(labels), chunks(weights), None if teacher is None else chunks(teacher))
+    chunk_fn = jax.checkpoint(_chunk_sums)
+
+    def body(total, x):
+        return total + chunk_fn(head, *x), None
+
+    init = jnp.zeros((1 if teacher is None else 2,), jnp.float32)
+    total, _ = jax.lax.scan(body, init, xs)
+    return total
+
+
+class LossSums(NamedTuple):
+    """Per micro-batch sums: main CE f32[]; MTP CE and KL f32[depths]."""
+
+    ce: jax.Array
+    mtp_ce: jax.Array
+    mtp_kl: jax.Array
+
+
+def count_targets(tokens, segment_ids, loss_mask, depths: int) -> tuple[jax.Array, jax.Array]:
+    """Target counts: main f32[] and per MTP depth f32[depths]. Arrays [batch, seq] or [n, batch, seq]."""
+    def counts(t, s, m):
+        return jnp.stack([target_weights(t, s, m, k)[1].sum() for k in range(1, depths + 2)])
+
+    if tokens.ndim == 3:
+        total = jax.vmap(counts)(tokens, segment_ids, loss_mask).sum(0)
+    else:
+        total = counts(tokens, segment_ids, loss_mask)
+    return total[0], total[1:]
+
+
+def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int,
+                 distill: bool) -> LossSums:
+    """Loss sums of one micro-batch.
+
+    hidden: [batch, seq, embed] (main model, after the final norm); mtp_hidden: [depths, batch, seq,
+    embed] or None; head: [embed, vocab] (whole); tokens, segment_ids, loss_mask: int[batch, seq].
+    """
+    labels, weights = target_weights(tokens, segment_ids, loss_mask, 1)
+    ce = head_loss_sums(hidden, head, labels, weights, chunk=chunk)[0]
+    mtp_ce, mtp_kl = [], []
+    for k in range(1, 0 if mtp_hidden is None else mtp_hidden.shape[0] + 1):
+        labels, weights = target_weights(tokens, segment_ids, loss_mask, k + 1)
+        teacher = shift_hidden_left(hidden, k) if distill else None
+        sums = head_loss_sums(mtp_hidden[k - 1], head, labels, weights, chunk=chunk, teacher=teacher)
+        mtp_ce.append(sums[0])
+        mtp_kl.append(sums[1] if distill else jnp.zeros((), jnp.float32))
+    stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,), jnp.float32)  # noqa: E731
+    return LossSums(ce, stack(mtp_ce), stack(mtp_kl))
+
+
+def combine(sums: LossSums, n_main, n_mtp, mtp_weight: float, distill_weight: float) -> jax.Array:
+    """The scalar objective from sums and (step-global) target counts; see the module docstring."""
+    safe = lambda n: jnp.maximum(n, 1.0)  # noqa: E731
+    loss = sums.ce / safe(n_main)
+    depths = sums.mtp_ce.shape[0]
+    if depths:
+        loss += mtp_weight / depths * jnp.sum(sums.mtp_ce / safe(n_mtp))
+        loss += distill_weight / depths * jnp.sum(sums.mtp_kl / safe(n_mtp))
+    return loss

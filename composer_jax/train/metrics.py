@@ -1,0 +1,119 @@
+"""Run metrics: `RUN_DIR/metrics.jsonl` (one JSON object per line), TensorBoard event files, the progress
+bar, and the MFU estimate.
+
+Every train-step line has `step`, `loss`, `tokens_per_s` (and the step's other metrics); eval lines
+have `step` and `eval_loss` (plus `eval_mtp{k}_ce`). A resumed run appends: readers take the last
+line written for a step (`read_metrics` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+# Dense peak FLOP/s per device (bf16, no sparsity) by `device_kind` substring, from vendor datasheets.
+PEAK_FLOPS = {
+    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "L4": 121e12,
+    "TPU v6": 918e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v4": 275e12,
+}
+
+
+def device_peak_flops(device) -> float | None:
+    """Datasheet peak of a known accelerator, else None."""
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    return None
+
+
+def measure_host_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+    """The host CPU's float32 matmul throughput (FLOP/s) on one device: the MFU denominator on CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a = f(a) * (1.0 / size)  # keep values bounded
+    a.block_until_ready()
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start)
+
+
+class MetricsWriter:
+    """Appends JSON lines to RUN_DIR/metrics.jsonl and scalars to TensorBoard event files in RUN_DIR/tb."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tb"), flush_secs=10)
+
+    def write(self, record: dict) -> None:
+        """record: {"step": int, name: float, ...}; non-finite floats are written as null in JSON."""
+        clean = {k: (v if not (isinstance(v, float) and not math.isfinite(v)) else None) for k, v in record.items()}
+        self._jsonl.write(json.dumps(clean) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The metrics.jsonl records, the last written per (step, kind) kept, sorted by step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a training run directory?")
+    latest = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        latest[(rec.get("step"), "eval_loss" in rec)] = rec
+    return [latest[k] for k in sorted(latest, key=lambda k: (k[0] is None, k[0] or 0, k[1]))]
+
+
+class Progress:
+    """A tqdm bar over steps showing loss, tokens/s, estimated MFU and (tqdm's) ETA."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, steps: int, loss: float, tokens_per_s: float, mfu: float | None) -> None:
+        if self._bar is None:
+            return
+        post = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
+        if mfu is not None:
+            post["mfu"] = f"{100 * mfu:.2f}%"
+        self._bar.set_postfix(post, refresh=False)
+        self._bar.update(steps)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,165 @@
+"""The train state and the jitted pretrain / SFT step and eval step.
+
+One step (jitted; the state is donated; no host synchronisation inside):
+1. global target counts of the whole step, so micro-batch losses sum to the step mean;
+2. `grad_accum` micro-batches (the first seeds the accumulators, a `lax.scan` adds the rest) of
+   `value_and_grad` of `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
+3. the global gradient norm and clipping factor over both meshes' leaves;
+4. a finite guard: if the loss or the gradient norm is not finite, params, optimizer state and router
+   biases stay as they were and `skipped` counts the step;
+5. the optimizer update (AdamW or Muon), per mesh group of leaves (composer_jax.train.grids), and the
+   router correction-bias update `b <- b + rate * sign(mean(load) - load)` from the step's summed
+   expert loads (main MoE layers and MTP depths), outside the optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from composer_jax.model import CausalLM
+from composer_jax.model.layers import RouterBias, weight
+from composer_jax.model.router import updated_bias
+from composer_jax.train import losses
+from composer_jax.train.config import RunConfig
+from composer_jax.train.grids import GROUPS, Grids
+from composer_jax.train.optimizer import clip_scale
+
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+class TrainState(NamedTuple):
+    step: jax.Array          # int32[]: steps taken (skipped ones included)
+    params: nnx.State        # nnx.Param leaves (optimized)
+    biases: nnx.State        # RouterBias leaves [layers, experts] (load-balancing, not optimized)
+    opt_state: dict          # {"dense": optimizer state of the dense-mesh leaves, "expert": ...}
+    skipped: jax.Array       # int32[]: steps skipped by the finite guard
+
+
+Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batch, seq] (eval)
+
+
+def split_model(model: CausalLM):
+    """(graphdef, params, biases, rest) of a model; `rest` holds any other variables (none today)."""
+    return nnx.split(model, nnx.Param, RouterBias, ...)
+
+
+def abstract_model_parts(cfg: RunConfig):
+    """(graphdef, abstract params, abstract biases, rest) without allocating anything."""
+    return split_model(nnx.eval_shape(lambda: CausalLM(cfg.model, rngs=nnx.Rngs(0))))
+
+
+def init_state(cfg: RunConfig, tx: optax.GradientTransformation, grids: Grids) -> TrainState:
+    """A fresh TrainState (traceable: run under `jax.jit` and reshard to place it)."""
+    _, params, biases, _ = split_model(CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+    zero = jnp.zeros((), jnp.int32)
+    groups = grids.split(params)
+    return TrainState(zero, params, biases, {g: tx.init(groups[g]) for g in GROUPS}, zero)
+
+
+def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, distill: bool):
+    """Loss sums and expert loads of one micro-batch ([batch, seq] arrays)."""
+    model = nnx.merge(graphdef, params, biases, rest)
+    out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"])
+    head = weight(model.lm_head, out.hidden.dtype)  # gathered whole if FSDP-sharded
+    sums = losses.lm_loss_sums(out.hidden, out.mtp_hidden, head, mb["tokens"], mb["segment_ids"],
+                               mb["loss_mask"], chunk=cfg.train.loss_chunk, distill=distill)
+    mtp_stats = out.mtp_stats or {}
+    loads = {"moe_layers": out.expert_load}
+    if "expert_load" in mtp_stats:
+        loads["mtp"] = mtp_stats["expert_load"]
+    return sums, loads
+
+
+def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
+    """Apply `updated_bias` to each RouterBias leaf with the load of its stack (by top-level module)."""
+    def one(path, bias):
+        return updated_bias(bias, loads[path[0].key], rate)
+
+    return jax.tree_util.tree_map_with_path(one, biases)
+
+
+def make_train_step(cfg: RunConfig, graphdef, rest, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                    grids: Grids) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """The (un-jitted) step: (state, batch [accum, micro, seq]) -> (state, metrics of f32/int32 scalars)."""
+    mcfg, tcfg = cfg.model, cfg.train
+    depths = mcfg.mtp.num_layers
+
+    def loss_fn(params, biases, mb, n_main, n_mtp):
+        sums, loads = _forward_sums(cfg, graphdef, rest, params, biases, mb, tcfg.mtp_distill_weight > 0)
+        loss = losses.combine(sums, n_main, n_mtp, mcfg.mtp.loss_weight, tcfg.mtp_distill_weight)
+        return loss, (sums, loads)
+
+    if tcfg.remat != "none":
+        loss_fn = jax.checkpoint(loss_fn, policy=REMAT_POLICIES[tcfg.remat])
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: Batch):
+        n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
+
+        def micro(acc, mb):
+            (loss, aux), grads = grad_fn(state.params, state.biases, mb, n_main, n_mtp)
+            (acc_loss, acc_aux), acc_grads = acc
+            return ((acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux)),
+                    grids.map(jnp.add, acc_grads, grads)), None
+
+        # The first micro-batch seeds the accumulators (keeping their shardings), the rest are scanned.
+        acc = grad_fn(state.params, state.biases, jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
+        if tcfg.grad_accum > 1:
+            acc, _ = jax.lax.scan(micro, acc, jax.tree.map(lambda x: x[1:], batch))
+        (loss, (sums, loads)), grads = acc
+
+        grad_norm = jnp.sqrt(grids.sum_of_squares(grads))
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        scale = clip_scale(grad_norm, cfg.optimizer.max_grad_norm)
+        g_groups, p_groups = grids.split(grads), grids.split(state.params)
+        new_params, new_opt = {}, {}
+        for g in GROUPS:
+            ok, s = grids.to_group(finite, g), grids.to_group(scale, g)
+            with grids.scope(g):
+                updates, opt = tx.update([x * s.astype(x.dtype) for x in g_groups[g]], state.opt_state[g],
+                                         p_groups[g])
+                params = optax.apply_updates(p_groups[g], updates)
+                new_params[g] = [jnp.where(ok, a, b) for a, b in zip(params, p_groups[g])]
+                new_opt[g] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), opt, state.opt_state[g])
+        biases = update_biases(state.biases, loads, mcfg.moe.bias_update_rate)
+        biases = jax.tree.map(lambda a, b: jnp.where(finite, a, b), biases, state.biases)
+        new_state = TrainState(state.step + 1, grids.join(new_params), biases, new_opt,
+                               state.skipped + (~finite).astype(jnp.int32))
+        main_load = loads["moe_layers"]
+        metrics = {
+            "loss": loss,
+            "ce": sums.ce / jnp.maximum(n_main, 1.0),
+            "grad_norm": grad_norm,
+            "lr": schedule(state.step),
+            "finite": finite,
+            "skipped": new_state.skipped,
+            "target_tokens": n_main,
+        }
+        if main_load.shape[0]:
+            metrics["expert_load_max_over_mean"] = jnp.mean(main_load.max(-1) / jnp.maximum(main_load.mean(-1), 1e-9))
+        for k in range(depths):
+            metrics[f"mtp{k + 1}_ce"] = sums.mtp_ce[k] / jnp.maximum(n_mtp[k], 1.0)
+            metrics[f"mtp{k + 1}_kl"] = sums.mtp_kl[k] / jnp.maximum(n_mtp[k], 1.0)
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batch], dict]:
+    """(state, batch [batch, seq]) -> sums {ce, targets, mtp{k}_ce, mtp{k}_targets} (held-out loss parts)."""
+    depths = cfg.model.mtp.num_layers
+
+    def eval_step(state: TrainState, batch: Batch) -> dict:
+        sums, _ = _forward_sums(cfg, graphdef, rest, state.params, state.biases, batch, distill=False)
+        n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
+        out = {"ce": sums.ce, "targets": n_main}
+        for k in range(depths):
+            out[f"mtp{k + 1}_ce"], out[f"mtp{k + 1}_targets"] = sums.mtp_ce[k], n_mtp[k]
+        return out
+
+    return eval_step
