@@ -14,6 +14,7 @@ import math
 import os
 import sys
 
+from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ConfigError
 from composer_jax.data.errors import DataError
 
@@ -120,6 +121,105 @@ def _add_info(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# convert / export (Hugging Face <-> orbax)
+
+
+def _stream_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=_positive_int, default=None, help="parallel work items (default: min(8, CPUs))")
+    p.add_argument("--chunk-mb", type=_positive_int, default=64,
+                   help="largest block read, converted and written at once, in MiB (default 64)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--restart", action="store_true", help="discard a partial DST.partial left by another job")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+
+
+def _log_to_stderr(command: str, quiet: bool) -> bool:
+    import logging
+
+    logger = logging.getLogger("composer_jax.checkpoint")
+    if not quiet and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"composer-jax {command}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return not quiet and sys.stderr.isatty()
+
+
+def _run_convert(args) -> int:
+    from composer_jax.checkpoint.convert import convert
+
+    mesh_sizes = None
+    if args.mesh is not None or args.devices is not None:
+        from composer_jax import config as config_lib
+        from composer_jax.parallel.mesh import resolve_sizes
+
+        if args.devices is None:
+            raise ConfigError("", "--mesh needs --devices (the device count of the target mesh)")
+        items = [x for x in (args.mesh or "").split(",") if x]
+        mesh = config_lib.from_dict(config_lib.MeshConfig, config_lib.apply_overrides(config_lib.MeshConfig, {}, items),
+                                    prefix="mesh")
+        mesh_sizes = resolve_sizes(mesh, args.devices)
+    progress = _log_to_stderr("convert", args.quiet)
+    convert(args.src, args.dst, args.overrides, mesh_sizes=mesh_sizes, workers=args.workers,
+            chunk_bytes=args.chunk_mb << 20, compress=args.compress, strict=not args.allow_extra,
+            overwrite=args.overwrite, restart=args.restart, progress=progress)
+    return 0
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="Hugging Face checkpoint -> orbax (bf16/fp16/fp32, FP8 blocks, K2.5 INT4)",
+                       description="Stream a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory into a converted "
+                                   "model directory DST (orbax params, model_config.yaml), dequantizing as it goes. "
+                                   "Resumable: re-run the same command after an interruption.")
+    p.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("dst", help="output directory (written as DST.partial, renamed when complete)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="model config overrides, e.g. param_dtype=float32 or mtp.num_layers=0")
+    p.add_argument("--devices", type=_positive_int, default=None,
+                   help="chunk for a target mesh of this many devices (with --mesh)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
+                   help="target mesh axis sizes, e.g. fsdp=8,ep=64 (MeshConfig fields; default: fsdp and ep fill)")
+    p.add_argument("--compress", action="store_true", help="zstd-compress chunks (slower, ~10%% smaller for bf16)")
+    p.add_argument("--allow-extra", action="store_true", help="warn about unexpected tensors instead of failing")
+    _stream_args(p)
+    p.set_defaults(run=_run_convert)
+
+
+def _run_export(args) -> int:
+    from composer_jax.checkpoint.export import export
+    from composer_jax.checkpoint.orbax_io import model_config
+
+    cfg = None
+    if args.config is not None:
+        from composer_jax.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+    elif args.overrides:
+        cfg = model_config(args.src, args.overrides)
+    progress = _log_to_stderr("export", args.quiet)
+    export(args.src, args.dst, cfg=cfg, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+           workers=args.workers, chunk_bytes=args.chunk_mb << 20, overwrite=args.overwrite, restart=args.restart,
+           progress=progress)
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face directory (transformers-loadable)",
+                       description="Stream a converted model directory (or an orbax params checkpoint with --config) "
+                                   "into a Hugging Face directory: config.json, sharded safetensors and index.")
+    p.add_argument("src", help="directory written by convert (or holding an orbax params checkpoint)")
+    p.add_argument("dst", help="output directory (written as DST.partial, renamed when complete)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="model config overrides")
+    p.add_argument("--config", default=None, help="model config (default: SRC/model_config.yaml)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="weight dtype (default: each parameter's dtype; the router bias stays float32)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size in GiB (default 5)")
+    _stream_args(p)
+    p.set_defaults(run=_run_export)
+
+
+# ----------------------------------------------------------------------------------------------------
 # pretrain / sft / plot
 
 
@@ -211,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pretrain(sub)
     _add_sft(sub)
     _add_plot(sub)
+    _add_convert(sub)
+    _add_export(sub)
     return parser
 
 
@@ -225,7 +327,7 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.run(args)
-    except (ConfigError, FileNotFoundError, DataError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, DataError) as e:
         print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
