@@ -8,15 +8,16 @@ Rows (each a dict of `[seq_len]` arrays, batched to `[batch, seq_len]`):
 - `loss_mask` int32: 1 where the token is a training *target* (every document token for text,
   assistant tokens for chat), 0 in padding.
 
-Text documents are concatenated then split into rows (grain's `ConcatThenSplitIterDataset`): no
-padding, and a document longer than a row continues as a new segment of the next row. Conversations
-are truncated to `seq_len` (counted) and packed first-fit (`FirstFitPackIterDataset`), never split.
-Iteration is deterministic; `iterator.get_state()` / `set_state()` resume it exactly (the state is a
-small JSON-able dict saved in checkpoints).
+Text documents are concatenated then split into rows: no padding, and a document longer than a row
+continues as a new segment of the next row. Conversations are truncated to `seq_len` (counted) and
+packed next-fit, never split (composer_jax.data.packing). Iteration is deterministic;
+`iterator.get_state()` / `set_state()` resume it exactly (the state is a small JSON-able dict saved in
+checkpoints).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import grain
@@ -25,6 +26,7 @@ import numpy as np
 from composer_jax.data import chat
 from composer_jax.data.config import DataConfig
 from composer_jax.data.errors import DataError
+from composer_jax.data.packing import PackIterDataset
 from composer_jax.data.sources import (DEFAULT_GLOBS, ArrayRecordSource, JsonlSource, ParquetSource, SkipLog,
                                        TextTreeSource, resolve_root, split_indices)
 from composer_jax.data.tokenizer import Tokenizer
@@ -101,23 +103,23 @@ class Example:
         return {"tokens": tokens.astype(np.int32), "loss_mask": mask.astype(np.int32)}
 
 
-def _rename(row: dict) -> dict:
-    return {"tokens": row["tokens"], "segment_ids": row["tokens_segment_ids"].astype(np.int32),
-            "positions": row["tokens_positions"].astype(np.int32), "loss_mask": row["loss_mask"]}
-
-
 def _probe(subset: _Subset, example: Example, cfg: DataConfig, split: str) -> None:
-    """Fail fast, by path, when the first records of a split all fail to yield an example."""
-    quiet = dataclasses.replace(example, skips=SkipLog(log_first=0))  # probing is not skipping
-    n = min(len(subset), PROBE_RECORDS)
-    for i in range(n):
-        record = subset[i]
-        if record is not None and quiet(record) is not None:
-            return
-    reasons = ", ".join(f"{k} x{v}" for k, v in quiet.skips.counts.items())
+    """Fail fast, by path, when the first records of a split all fail to yield an example. Probing
+    neither logs nor counts skips (the pipeline reads these records again)."""
+    skips = example.skips
+    before, log_first = collections.Counter(skips.counts), skips.log_first
+    skips.log_first = 0
+    try:
+        n = min(len(subset), PROBE_RECORDS)
+        for i in range(n):
+            record = subset[i]
+            if record is not None and example(record) is not None:
+                return
+        reasons = ", ".join(f"{k} x{v}" for k, v in (skips.counts - before).items())
+    finally:
+        skips.counts, skips.log_first = before, log_first
     raise DataError(f"data path {resolve_root(cfg.path)}: none of the first {n} {split} records is usable "
-                    f"({reasons or 'unreadable records'}); check data.kind={cfg.kind!r}, data.field, "
-                    "data.format")
+                    f"({reasons or 'no records'}); check data.kind={cfg.kind!r}, data.field, data.format")
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, batch_size: int,
@@ -138,7 +140,7 @@ def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len:
         raise DataError(f"the {split} split of data path {resolve_root(cfg.path)} has {len(indices)} records, "
                         f"fewer than the {shard_count} data shards (data.eval_fraction={cfg.eval_fraction})")
     subset = _Subset(source, indices)
-    example = Example(cfg, tokenizer, seq_len, skips)
+    example = Example(cfg, tokenizer, seq_len, skips)  # the source and the examples share `skips`
     _probe(subset, example, cfg, split)
     ds = grain.MapDataset.source(subset)[shard_index::shard_count]
     if cfg.shuffle and split == "train":
@@ -147,10 +149,4 @@ def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len:
         ds = ds.repeat(None)
     ds = ds.map(example).to_iter_dataset(
         grain.ReadOptions(num_threads=cfg.read_threads, prefetch_buffer_size=cfg.prefetch))
-    lengths = {"tokens": seq_len, "loss_mask": seq_len}
-    if cfg.format == "chat":
-        ds = grain.experimental.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=batch_size,
-                                                        seed=cfg.seed, shuffle_bins=False)
-    else:
-        ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct=lengths)
-    return ds.map(_rename).batch(batch_size, drop_remainder=True)
+    return PackIterDataset(ds, seq_len, split=cfg.format != "chat").batch(batch_size, drop_remainder=True)
