@@ -52,15 +52,18 @@ def _leaves(directory) -> dict:
     return {p: tree.open(p).read().result() for p in tree.paths()}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_round_trip_is_bit_exact_and_loads_in_transformers(tmp_path, tiny_hf, dtype):
     src, model = tiny_hf
-    if dtype == "bfloat16":
-        model = copy.deepcopy(model).to(torch.bfloat16)
+    if dtype != "float32":
+        model = copy.deepcopy(model).to(getattr(torch, dtype))
         src = tmp_path / "src"
         model.save_pretrained(src)
     assert main(["convert", str(src), str(tmp_path / "orbax"), "--quiet"]) == 0
-    assert main(["export", str(tmp_path / "orbax"), str(tmp_path / "out"), "--quiet", "--max-shard-gb", "0.0005"]) == 0
+    # float16 weights become float32 parameters (exactly); export casts them back.
+    export_dtype = ["--dtype", "float16"] if dtype == "float16" else []
+    assert main(["export", str(tmp_path / "orbax"), str(tmp_path / "out"), "--quiet", "--max-shard-gb", "0.0005",
+                 *export_dtype]) == 0
     out = tmp_path / "out"
     _assert_same_tensors(_tensors(src), _tensors(out))
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -113,6 +116,15 @@ def test_sharded_conversion_restores_without_target(tmp_path, tiny_hf):
         zarray = json.loads((tmp_path / "sharded" / "params" / ".".join(path) / ".zarray").read_text())
         shard = sharding.shard_shape(value.shape)
         assert all(s % c == 0 for s, c in zip(shard, zarray["chunks"])), (path, shard, zarray["chunks"])
+
+    # The CLI chunks for the same layout from mesh sizes alone (no devices needed).
+    assert main(["convert", str(src), str(tmp_path / "cli"), "--quiet", "--chunk-mb", "1", "--devices", "8",
+                 "--mesh", "replica=2,fsdp=4,ep=8"]) == 0
+    convert(src, tmp_path / "api", shardings=shardings, chunk_bytes=1 << 20)
+    for path in plain:
+        chunks = [json.loads((tmp_path / d / "params" / ".".join(path) / ".zarray").read_text())["chunks"]
+                  for d in ("cli", "api")]
+        assert chunks[0] == chunks[1], path
 
     other = DualMesh(MeshConfig(replica=1, fsdp=8, ereplica=2, ep=4))  # restore onto a different layout
     model = load_model(tmp_path / "sharded", shardings=lambda s: param_shardings(s, other))
@@ -205,3 +217,41 @@ def test_export_errors(tmp_path, tiny_hf, capsys):
     with pytest.raises(CheckpointError, match=r"cannot read parameter 'moe_layers\.attn\.o_proj' \[1\]"):
         export(tmp_path / "orbax", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_interrupted_export_resumes(tmp_path, tiny_hf, monkeypatch):
+    from composer_jax.checkpoint import export as export_mod
+
+    src, _ = tiny_hf
+    convert(src, tmp_path / "orbax")
+    real, done = export_mod._write_rows, []
+
+    def interrupted(*args):
+        if len(done) >= 40:
+            raise OSError("disk full")
+        done.append(1)
+        real(*args)
+
+    monkeypatch.setattr(export_mod, "_write_rows", interrupted)
+    with pytest.raises(OSError, match="disk full"):
+        export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000)
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial").is_dir()
+    resumed = []
+    monkeypatch.setattr(export_mod, "_write_rows", lambda *a: (resumed.append(1), real(*a)))
+    summary = export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000)
+    assert len(resumed) == summary["items"] - 40 and summary["shards"] > 1
+    _assert_same_tensors(_tensors(src), _tensors(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "kimi-k2.5", "deepseek-v3"])
+def test_hf_config_round_trip(name):
+    from composer_jax.checkpoint.hf_config import hf_config_from
+
+    cfg = load_config(name)
+    back = config.from_dict(type(cfg), config_from_hf(hf_config_from(cfg, cfg.param_dtype), cfg.mtp.num_layers))
+    hf_only = ("dispatch", "bias_update_rate", "loss_weight", "latent_norm_eps", "capacity_factor")
+
+    def strip(d):
+        return {k: strip(v) if isinstance(v, dict) else v for k, v in d.items() if k not in hf_only}
+
+    assert strip(config.to_dict(back)) == strip(config.to_dict(cfg))

@@ -86,8 +86,10 @@ def main() -> int:
         cli = [sys.executable, "-m", "composer_jax.cli"]
         common = ["--workers", str(args.workers), "--chunk-mb", str(args.chunk_mb), "--quiet"]
         seconds, rss = measured_run(cli + ["convert", str(work / "hf"), str(work / "orbax"), *common])
-        print(f"convert: {seconds:.1f} s, {size / 1e6 / seconds:.0f} MB/s of source, peak RSS {rss:.0f} MB "
-              f"(workers {args.workers}, chunk {args.chunk_mb} MiB)")
+        written = sum(f.stat().st_size for f in (work / "orbax").rglob("*") if f.is_file())
+        print(f"convert: {seconds:.1f} s, {size / 1e6 / seconds:.0f} MB/s read, {written / 1e6 / seconds:.0f} MB/s "
+              f"written ({written / 1e9:.2f} GB), peak RSS {rss:.0f} MB (workers {args.workers}, "
+              f"chunk {args.chunk_mb} MiB)")
         if args.export:
             seconds, erss = measured_run(cli + ["export", str(work / "orbax"), str(work / "out"), *common])
             print(f"export: {seconds:.1f} s, peak RSS {erss:.0f} MB")

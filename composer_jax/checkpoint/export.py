@@ -163,4 +163,5 @@ def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, 
         stage.commit()
     seconds = time.monotonic() - started
     log.info("wrote %s: %.2f GB in %.1f s", stage.dst, total / 1e9, seconds)
-    return {"dst": str(stage.dst), "tensors": len(order), "shards": len(names), "bytes": total, "seconds": seconds}
+    return {"dst": str(stage.dst), "tensors": len(order), "shards": len(names), "items": len(items), "bytes": total,
+            "seconds": seconds}
