@@ -188,7 +188,6 @@ def _add_convert(sub) -> None:
 
 def _run_export(args) -> int:
     from composer_jax.checkpoint.export import export
-    from composer_jax.checkpoint.orbax_io import model_config
 
     cfg = None
     if args.config is not None:
@@ -196,7 +195,7 @@ def _run_export(args) -> int:
 
         cfg = load_config(args.config, args.overrides)
     elif args.overrides:
-        cfg = model_config(args.src, args.overrides)
+        raise ConfigError("", f"overrides ({' '.join(args.overrides)}) apply to --config, which is not given")
     progress = _log_to_stderr("export", args.quiet)
     export(args.src, args.dst, cfg=cfg, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
            workers=args.workers, chunk_bytes=args.chunk_mb << 20, overwrite=args.overwrite, restart=args.restart,
@@ -206,12 +205,14 @@ def _run_export(args) -> int:
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face directory (transformers-loadable)",
-                       description="Stream a converted model directory (or an orbax params checkpoint with --config) "
-                                   "into a Hugging Face directory: config.json, sharded safetensors and index.")
-    p.add_argument("src", help="directory written by convert (or holding an orbax params checkpoint)")
+                       description="Stream a converted model directory, a training checkpoint step (RUN/checkpoints/"
+                                   "STEP) or an orbax params checkpoint (with --config) into a Hugging Face "
+                                   "directory: config.json, sharded safetensors and index.")
+    p.add_argument("src", help="directory written by convert, a training checkpoint step, or an orbax checkpoint")
     p.add_argument("dst", help="output directory (written as DST.partial, renamed when complete)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="model config overrides")
-    p.add_argument("--config", default=None, help="model config (default: SRC/model_config.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the --config model config")
+    p.add_argument("--config", default=None,
+                   help="model config (default: SRC/model_config.yaml, or the training step's run config)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: each parameter's dtype; the router bias stays float32)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size in GiB (default 5)")

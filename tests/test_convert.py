@@ -255,3 +255,20 @@ def test_hf_config_round_trip(name):
         return {k: strip(v) if isinstance(v, dict) else v for k, v in d.items() if k not in hf_only}
 
     assert strip(config.to_dict(back)) == strip(config.to_dict(cfg))
+
+
+def test_export_from_training_checkpoint(tmp_path, tiny_hf):
+    """A training step (`model` item: {'params', 'biases'} nnx States; `config` item: the run config)."""
+    from composer_jax.checkpoint.manager import TrainCheckpointer
+    from composer_jax.model.layers import RouterBias
+
+    src, _ = tiny_hf
+    convert(src, tmp_path / "orbax")
+    model = load_model(tmp_path / "orbax")
+    _, params, biases, _ = nnx.split(model, nnx.Param, RouterBias, ...)
+    ckpt = TrainCheckpointer(tmp_path / "run", array_items=("model",), json_items=("config",), async_save=False)
+    ckpt.save(3, {"model": {"params": params, "biases": biases}}, {"config": {"model": config.to_dict(model.cfg)}},
+              force=True)
+    ckpt.close()
+    assert main(["export", str(tmp_path / "run" / "3"), str(tmp_path / "out"), "--quiet"]) == 0
+    _assert_same_tensors(_tensors(src), _tensors(tmp_path / "out"))

@@ -148,7 +148,7 @@ def convert(src: str | Path, dst: str | Path, overrides=(), *, shardings=None, m
     shards = shard_shapes(leaves, by_path, mesh_sizes)
     chunks = {leaf.path: leaf_chunks(leaf, shards[leaf.path], chunk_bytes) for leaf in leaves}
     fingerprint = {"job": "convert", "version": 1, "inputs": file_fingerprint(source.path.iterdir()),
-                   "overrides": list(overrides), "compress": compress, "strict": strict,
+                   "overrides": list(overrides), "compress": compress,
                    "leaves": {leaf.name: [str(leaf.dtype), list(leaf.shape), list(chunks[leaf.path])]
                               for leaf in leaves}}
     workers = workers or default_workers()

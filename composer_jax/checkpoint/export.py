@@ -43,12 +43,26 @@ def _natural(key: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
 
 
+TRAIN_ITEMS = ("model", "config/metadata")  # a training checkpoint step: params item, JSON run config
+
+
 def _find_params(src: Path) -> Path:
-    for candidate in (src / orbax_io.PARAMS_DIR, src):
+    for candidate in (src / orbax_io.PARAMS_DIR, src / TRAIN_ITEMS[0], src):
         if (candidate / "_METADATA").is_file():
             return candidate
-    raise CheckpointError(f"{src}: neither {src / orbax_io.PARAMS_DIR} nor {src} is an orbax checkpoint "
-                          "(no _METADATA)")
+    raise CheckpointError(f"{src}: neither {src / orbax_io.PARAMS_DIR}, {src / TRAIN_ITEMS[0]} nor {src} is an "
+                          "orbax checkpoint (no _METADATA)")
+
+
+def _find_config(src: Path) -> ModelConfig:
+    """The model config of a converted directory, or the `model` part of a training step's run config."""
+    run_config = src / TRAIN_ITEMS[1]
+    if not (src / orbax_io.MODEL_CONFIG).is_file() and run_config.is_file():
+        try:
+            return config_lib.from_dict(ModelConfig, json.loads(run_config.read_text())["model"], prefix="model")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{run_config}: no readable model config ({e!r}); pass --config") from None
+    return orbax_io.model_config(src)
 
 
 def _read_item(store, leaf: Leaf, t, index, start: int, stop: int) -> np.ndarray:
@@ -70,25 +84,27 @@ def _write_rows(store, leaf, t, index, start, stop, out_dtype, targets) -> None:
 def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, dtype: str | None = None,
            max_shard_bytes: int = 5 << 30, workers: int | None = None, chunk_bytes: int = 64 << 20,
            overwrite: bool = False, restart: bool = False, progress: bool = False) -> dict:
-    """Export converted model directory `src` (or a bare orbax params checkpoint with `cfg`) to `dst`.
+    """Export converted model directory `src` (or a training checkpoint step `<run>/checkpoints/<step>`,
+    or a bare orbax params checkpoint with `cfg`) to `dst`.
 
-    cfg: the ModelConfig (default: `src/model_config.yaml`). dtype: 'float32' / 'bfloat16' / 'float16'
+    cfg: the ModelConfig (default: `src/model_config.yaml`, or the step's run config). dtype: 'float32' / 'bfloat16' / 'float16'
     for every weight (default: each parameter's own dtype; the router correction bias stays float32).
     max_shard_bytes: safetensors shard size. Other options as in `convert`. Returns a summary.
     """
     started = time.monotonic()
     src = Path(src)
     params = _find_params(src)
-    cfg = cfg or orbax_io.model_config(src)
+    cfg = cfg or _find_config(src)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     tree = orbax_io.OrbaxTree(params)
     leaves = plan_leaves(cfg)
     stores = {}
     for leaf in leaves:
-        if leaf.path not in tree.paths():
+        stored = tree.find(leaf.path)
+        if stored is None:
             raise CheckpointError(f"{params}: parameter '{leaf.name}' is missing from the checkpoint")
-        stores[leaf.path] = store = tree.open(leaf.path)
+        stores[leaf.path] = store = tree.open(stored)
         if tuple(store.shape) != leaf.shape:
             raise CheckpointError(f"{params}: parameter '{leaf.name}' has shape {list(store.shape)}, expected "
                                   f"{list(leaf.shape)} from the model config")

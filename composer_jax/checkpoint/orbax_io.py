@@ -122,8 +122,16 @@ class OrbaxTree:
     def paths(self) -> list[tuple[str, ...]]:
         return list(self._names)
 
+    def find(self, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The stored path of parameter `path`: itself, or under one group key (a training checkpoint's
+        `('params', *path)` / `('biases', *path)`); None if absent or ambiguous."""
+        if path in self._names:
+            return path
+        hits = [p for p in self._names if p[1:] == path]
+        return hits[0] if len(hits) == 1 else None
+
     def open(self, path: tuple[str, ...]) -> ts.TensorStore:
-        """The tensorstore of leaf `path` (slice it and `.read()`)."""
+        """The tensorstore of stored leaf `path` (slice it and `.read()`)."""
         info = ocp.type_handlers.ParamInfo(name=self._names[path], parent_dir=epath.Path(self.directory),
                                            use_zarr3=self._zarr3, ts_context=self._context)
         spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)

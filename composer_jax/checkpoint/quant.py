@@ -71,13 +71,26 @@ class QuantConfig:
         raise bad("quant_method", method, "only 'compressed-tensors' (INT4) and 'fp8' (blocks) are implemented")
 
 
+def _scale_columns(x: np.ndarray, scale: np.ndarray, width: int) -> np.ndarray:
+    """In place: x[:, i] *= scale[:, i // width] (x: contiguous f32[rows, cols]); returns x."""
+    rows, cols = x.shape
+    scale = scale.astype(np.float32, copy=False)
+    if cols % width == 0:
+        x.reshape(rows, cols // width, width)[...] *= scale[:, : cols // width, None]
+    else:
+        for j in range(-(-cols // width)):
+            x[:, j * width:(j + 1) * width] *= scale[:, j:j + 1]
+    return x
+
+
 def dequant_int4(packed: np.ndarray, scale: np.ndarray, in_features: int, group: int) -> np.ndarray:
     """int32[rows, ceil(in/8)] packed nibbles, scale [rows, ceil(in/group)] -> float32[rows, in]."""
     rows = packed.shape[0]
     b = np.ascontiguousarray(packed.astype("<i4", copy=False)).view(np.uint8)  # 4 bytes = 8 nibbles, LE
     q = np.stack([b & 0xF, b >> 4], axis=-1).reshape(rows, -1)[:, :in_features]  # low nibble first
-    s = np.repeat(scale.astype(np.float32), group, axis=1)[:, :in_features]
-    return (q.astype(np.float32) - 8.0) * s
+    w = q.astype(np.float32)
+    w -= 8.0
+    return _scale_columns(w, scale, group)
 
 
 def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, row0: int, block: tuple[int, int]) -> np.ndarray:
@@ -86,9 +99,9 @@ def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, row0: int, block: tuple[in
     `scale_inv[k]` is the scale row of block `row0 // bo + k`.
     """
     bo, bi = block
-    rows, cols = w.shape
-    s = scale_inv[np.arange(row0, row0 + rows) // bo - row0 // bo].astype(np.float32)
-    return w.astype(np.float32) * np.repeat(s, bi, axis=1)[:, :cols]
+    rows = w.shape[0]
+    s = scale_inv[np.arange(row0, row0 + rows) // bo - row0 // bo]  # [rows, ceil(in/bi)]
+    return _scale_columns(w.astype(np.float32), s, bi)
 
 
 class TensorReader:
