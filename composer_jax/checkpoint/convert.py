@@ -142,6 +142,10 @@ def convert(src: str | Path, dst: str | Path, overrides=(), *, shardings=None, m
     if cfg.mtp.num_layers > source.stored_mtp:
         raise CheckpointError(f"{source.path}: mtp.num_layers={cfg.mtp.num_layers} but the checkpoint stores "
                               f"{source.stored_mtp} MTP layer(s); convert cannot initialize new ones")
+    if mesh_sizes is not None:
+        from composer_jax.parallel.mesh import check_model
+
+        check_model(mesh_sizes, cfg)  # e.g. ep must divide the routed experts
     leaves = plan_leaves(cfg, source.prefix)
     side = check_tensors(source, leaves, cfg.mtp.num_layers, strict)
     by_path = orbax_io.flat_shardings(shardings) if shardings is not None else None
