@@ -102,9 +102,20 @@ def _join_items(items: dict) -> step_lib.TrainState:
     return step_lib.TrainState(t["step"], m["params"], m["biases"], t["opt_state"], t["skipped"])
 
 
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_dense_layers", "intermediate_size", "mla",
+                "param_dtype", "moe.n_routed_experts", "moe.moe_intermediate_size", "moe.n_shared_experts",
+                "mtp.num_layers")
+
+
 def _model_shape_fields(model_cfg: dict) -> dict:
-    """The parts of a model config that decide parameter shapes (rope may change between phases)."""
-    return {k: v for k, v in model_cfg.items() if k not in ("rope", "dtype")}
+    """The model-config values that decide parameter shapes (rope, dispatch... may change between phases)."""
+    def get(key):
+        node = model_cfg
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    return {k: get(k) for k in SHAPE_FIELDS}
 
 
 class Trainer:
@@ -162,16 +173,16 @@ class Trainer:
             self.iterator.set_state(restored["data"])
             log.info("resumed from %s step %d", self.ckpt.directory, latest)
             return _join_items(restored)
+        if self.cfg.train.init_from:
+            return self._load_init_params()
+
         def init():
             return jax.tree.map(jax.sharding.reshard, step_lib.init_state(self.cfg, self.tx, self.grids),
                                 self.shardings)
 
-        state = jax.jit(init)()
-        if self.cfg.train.init_from:
-            state = self._load_init_params(state)
-        return state
+        return jax.jit(init)()
 
-    def _load_init_params(self, state: step_lib.TrainState) -> step_lib.TrainState:
+    def _load_init_params(self) -> step_lib.TrainState:
         """Params and router biases from `train.init_from`'s latest checkpoint; fresh optimizer and step."""
         source = Path(self.cfg.train.init_from) / "checkpoints"
         other = TrainCheckpointer(source, array_items=ARRAY_ITEMS, json_items=JSON_ITEMS)
@@ -186,7 +197,18 @@ class Trainer:
         finally:
             other.close()
         log.info("initialised params from %s", source)
-        return state._replace(params=model["params"], biases=model["biases"])
+
+        def fresh(params, biases):
+            groups = self.grids.split(params)
+            opt = {}
+            for g in GROUPS:
+                with self.grids.scope(g):
+                    opt[g] = self.tx.init(groups[g])
+            zero = jnp.zeros((), jnp.int32)
+            return jax.tree.map(jax.sharding.reshard, step_lib.TrainState(zero, params, biases, opt, zero),
+                                self.shardings)
+
+        return jax.jit(fresh)(model["params"], model["biases"])
 
     # ------------------------------------------------------------------------------------------------
     # data

@@ -45,12 +45,15 @@ def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
     return jnp.concatenate([h[:, k:], jnp.zeros_like(h[:, :k])], axis=1)[:, : h.shape[1]]
 
 
-def _unshard_seq(x: jax.Array) -> jax.Array:
-    """x: [batch, seq, ...] with the sequence gathered whole (a no-op unless it is sequence-sharded)."""
+def unshard_seq(x: jax.Array, axis: int = 1) -> jax.Array:
+    """x with dimension `axis` (the sequence) gathered whole: a no-op unless it is sharded (context
+    parallelism). Shifting targets along the sequence and chunking it need whole sequences."""
     sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty or len(sharding.spec) < 2 or sharding.spec[1] is None:
+    if sharding.mesh.empty or len(sharding.spec) <= axis or sharding.spec[axis] is None:
         return x
-    return jax.sharding.reshard(x, P(sharding.spec[0], None, *sharding.spec[2:]))
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    spec[axis] = None
+    return jax.sharding.reshard(x, P(*spec))
 
 
 def _chunk_sums(head, h, labels, weights, teacher):
@@ -72,7 +75,7 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
                    chunk: int, teacher: jax.Array | None = None) -> jax.Array:
     """Chunked cross-entropy (and KL) sums through the output head.
 
-    hidden: [batch, seq, embed]; head: [embed, vocab] (whole, not sharded); labels: int[batch, seq];
+    hidden: [batch, seq, embed] (whole sequences); head: [embed, vocab] (whole); labels: int[batch, seq];
     weights: f32[batch, seq]; teacher: [batch, seq, embed] hidden states whose head distribution is the
     stop-gradient KL target. The sequence is cut into chunks of `chunk` positions, so one
     [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard).
@@ -83,7 +86,6 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
     pad = (-s) % chunk
 
     def chunks(x):  # [batch, seq, ...] -> [num_chunks, batch, chunk, ...]
-        x = _unshard_seq(x)
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
         x = x.reshape(b, (s + pad) // chunk, chunk, *x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
@@ -126,6 +128,8 @@ def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, ch
     hidden: [batch, seq, embed] (main model, after the final norm); mtp_hidden: [depths, batch, seq,
     embed] or None; head: [embed, vocab] (whole); tokens, segment_ids, loss_mask: int[batch, seq].
     """
+    hidden = unshard_seq(hidden)
+    mtp_hidden = None if mtp_hidden is None else unshard_seq(mtp_hidden, axis=2)
     labels, weights = target_weights(tokens, segment_ids, loss_mask, 1)
     ce = head_loss_sums(hidden, head, labels, weights, chunk=chunk)[0]
     mtp_ce, mtp_kl = [], []

@@ -50,7 +50,11 @@ class MetricsWriter:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        path = self.run_dir / "metrics.jsonl"
+        cut = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        self._jsonl = open(path, "a", buffering=1)
+        if cut:  # a previous process was killed mid-line: start on a fresh line
+            self._jsonl.write("\n")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter

@@ -2,8 +2,8 @@
 
 One step (jitted; the state is donated; no host synchronisation inside):
 1. global target counts of the whole step, so micro-batch losses sum to the step mean;
-2. `grad_accum` micro-batches (the first seeds the accumulators, a `lax.scan` adds the rest) of
-   `value_and_grad` of `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
+2. a `lax.scan` over `grad_accum` micro-batches accumulating `value_and_grad` of
+   `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
 3. the global gradient norm and clipping factor over both meshes' leaves;
 4. a finite guard: if the loss or the gradient norm is not finite, params, optimizer state and router
    biases stay as they were and `skipped` counts the step;
@@ -75,6 +75,14 @@ def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, dis
     return sums, loads
 
 
+def _type_sharding(s: jax.ShapeDtypeStruct):
+    """The sharding of an abstract value as the type system sees it (None when not on a mesh)."""
+    sharding = getattr(s, "sharding", None)
+    if sharding is None or getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
+        return None
+    return sharding
+
+
 def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
     """Apply `updated_bias` to each RouterBias leaf with the load of its stack (by top-level module)."""
     def one(path, bias):
@@ -107,11 +115,13 @@ def make_train_step(cfg: RunConfig, graphdef, rest, tx: optax.GradientTransforma
             return ((acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux)),
                     grids.map(jnp.add, acc_grads, grads)), None
 
-        # The first micro-batch seeds the accumulators (keeping their shardings), the rest are scanned.
-        acc = grad_fn(state.params, state.biases, jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
-        if tcfg.grad_accum > 1:
-            acc, _ = jax.lax.scan(micro, acc, jax.tree.map(lambda x: x[1:], batch))
-        (loss, (sums, loads)), grads = acc
+        # Zero accumulators with the shardings the gradients will have, then one scan over micro-batches
+        # (a single copy of forward + backward in the compiled step).
+        (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, state.biases,
+                                                  jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
+        zeros = lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_type_sharding(s))  # noqa: E731
+        acc = ((zeros(loss_s), jax.tree.map(zeros, aux_s)), grids.map(zeros, grads_s))
+        ((loss, (sums, loads)), grads), _ = jax.lax.scan(micro, acc, batch)
 
         grad_norm = jnp.sqrt(grids.sum_of_squares(grads))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -1,0 +1,147 @@
+"""The training loop on the tiny model, 8 fake devices (dense fsdp=4 x cp=2, experts ep=8): metrics,
+TensorBoard, checkpoints, plots, the router-bias update, the finite guard, phase-2 initialisation,
+packed documents never attending to each other, and input errors."""
+
+import base64
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import cli
+from composer_jax.data.config import DataConfig
+from composer_jax.data.errors import DataError
+from composer_jax.data.pipeline import build_dataset
+from composer_jax.data.tokenizer import ByteTokenizer
+from composer_jax.train.config import load_run_config
+from composer_jax.train.loop import Trainer
+
+OVERRIDES = ["train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.log_every=1",
+             "train.eval_every=3", "train.eval_batches=1", "train.progress=false", "data.eval_fraction=0.3",
+             "checkpoint.every=2", "mesh.fsdp=4", "mesh.cp=2"]
+
+
+def write_code_tree(root, n=60):
+    """A small tree of Python-like documents of varied lengths."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(i % 5 + 1))
+        (root / f"mod{i:02d}.py").write_text(f'"""Module {i}."""\n\n{body}')
+    return root
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    tree = write_code_tree(root / "code")
+    cfg = load_run_config("pretrain-tiny", OVERRIDES + [f"data.path={tree}", f"run_dir={root / 'run'}"])
+    trainer = Trainer(cfg)
+    initial_biases = jax.tree.map(np.asarray, trainer.state.biases)
+    summary = trainer.run()
+    return trainer, summary, initial_biases
+
+
+def test_run_writes_metrics_tensorboard_and_checkpoints(run):
+    trainer, summary, _ = run
+    run_dir = trainer.run_dir
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_lines] == [1, 2, 3]
+    for r in train_lines:
+        assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["finite"] == 1.0
+        assert {"ce", "mtp1_ce", "mtp1_kl", "grad_norm", "lr", "expert_load_max_over_mean"} <= set(r)
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3] and all(np.isfinite(r["eval_loss"]) for r in evals)
+    assert summary["first_eval_loss"] == evals[0]["eval_loss"] and summary["skipped_steps"] == 0
+    assert list((run_dir / "tb").glob("events.out.tfevents.*"))
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
+    assert (run_dir / "config.yaml").is_file()
+    assert int(trainer.state.step) == 3
+
+
+def test_plot_command_writes_pngs(run, capsys):
+    trainer, _, _ = run
+    assert cli.main(["plot", str(trainer.run_dir)]) == 0
+    paths = capsys.readouterr().out.split()
+    assert any(p.endswith("loss.png") for p in paths)
+    for p in paths:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_router_biases_moved_by_the_load_balancing_rule(run):
+    trainer, _, initial = run
+    rate = trainer.cfg.model.moe.bias_update_rate
+    moved = 0
+    for before, after in zip(jax.tree.leaves(initial), jax.tree.leaves(trainer.state.biases)):
+        steps = (np.asarray(after) - before) / rate  # 3 steps of +-rate (or 0) each
+        np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+        assert np.abs(steps).max() <= 3 + 1e-3
+        moved += np.count_nonzero(np.round(steps))
+    assert moved > 0
+
+
+def test_finite_guard_skips_a_nonfinite_step(run):
+    trainer, _, _ = run
+    with trainer.dual:
+        state = jax.tree.map(jnp.copy, trainer.state)
+        poisoned = jax.tree_util.tree_map_with_path(
+            lambda path, x: x * jnp.nan if "lm_head" in jax.tree_util.keystr(path) else x, state.params)
+        state = state._replace(params=poisoned)
+        before = jax.tree.map(np.asarray, state)
+        trainer.iterator = iter(trainer.train_data)
+        after, metrics = trainer.step_fn(state, trainer.next_batch())
+    assert not bool(metrics["finite"]) and int(after.skipped) == int(before.skipped) + 1
+    assert int(after.step) == int(before.step) + 1
+    for name in ("params", "opt_state", "biases"):
+        for a, b in zip(jax.tree.leaves(getattr(after, name)), jax.tree.leaves(getattr(before, name))):
+            np.testing.assert_array_equal(np.asarray(a), b)  # NaNs compare equal here
+
+
+def test_phase_two_starts_from_phase_one_params_with_longer_context(run, tmp_path):
+    trainer, _, _ = run
+    overrides = OVERRIDES + [f"data.path={trainer.cfg.data.path}", f"run_dir={tmp_path / 'phase2'}",
+                             f"train.init_from={trainer.run_dir}", "train.seq_len=64",
+                             "model.rope.factor=16", "model.rope.max_position_embeddings=256"]
+    phase2 = Trainer(load_run_config("pretrain-tiny", overrides))
+    assert int(phase2.state.step) == 0
+    for a, b in zip(jax.tree.leaves(phase2.state.params), jax.tree.leaves(trainer.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(phase2.state.opt_state["dense"]))  # fresh
+    phase2.ckpt.close()
+
+
+def test_packed_documents_do_not_attend_to_each_other(run):
+    """Changing one document of a packed row leaves the hidden states of the others unchanged."""
+    trainer, _, _ = run
+    cfg = trainer.cfg.data
+    batch = next(iter(build_dataset(DataConfig(path=cfg.path, eval_fraction=0.0), ByteTokenizer(), split="train",
+                                    seq_len=128, batch_size=4, repeat=True)))
+    tokens, segments, positions = (jnp.asarray(batch[k]) for k in ("tokens", "segment_ids", "positions"))
+    row = int(np.argmax(batch["segment_ids"].max(-1)))
+    assert batch["segment_ids"][row].max() >= 2
+    first = segments[row] == 1
+    changed = tokens.at[row].set(jnp.where(first, (tokens[row] + 7) % 256, tokens[row]))
+
+    @jax.jit
+    def forward(state, t):
+        model = nnx.merge(trainer.graphdef, state.params, state.biases, trainer.rest)
+        return model.forward(t, segments, positions).hidden
+
+    with trainer.dual:
+        h0, h1 = np.asarray(forward(trainer.state, tokens)), np.asarray(forward(trainer.state, changed))
+    np.testing.assert_array_equal(h0[row][~np.asarray(first)], h1[row][~np.asarray(first)])
+    assert np.abs(h0[row][np.asarray(first)] - h1[row][np.asarray(first)]).max() > 1e-3
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_an_error(run, tmp_path):
+    trainer, _, _ = run
+    path = tmp_path / "big.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(bytes([i % 256]) * (1 + i // 256)).decode()} {i}\n"
+                            for i in range(300)))
+    cfg = load_run_config("pretrain-tiny", OVERRIDES + [f"data.tokenizer={path}", f"data.path={trainer.cfg.data.path}",
+                                                        f"run_dir={tmp_path / 'r'}"])
+    with pytest.raises(DataError, match=rf"tokenizer {path} has 301 ids, more than the model's vocab_size=256"):
+        Trainer(cfg)
