@@ -29,7 +29,8 @@ from composer_jax.checkpoint.hf import Leaf, plan_leaves
 from composer_jax.checkpoint.hf_config import hf_config_from, read_hf_config
 from composer_jax.checkpoint.hf_layout import mtp_copies, ours_to_hf_rows, rows_per_index
 from composer_jax.checkpoint.jobs import Item, Staging, block_size, default_workers, file_fingerprint, run_items
-from composer_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
+from composer_jax.checkpoint.safetensors_io import (CheckpointError, SafetensorsWriter, group_shards, shard_name,
+                                                    write_index)
 from composer_jax.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -128,15 +129,8 @@ def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, 
         leaf, t, _ = tensors[main]
         specs[key] = (out_dtype(leaf, main), t.hf_shape)
 
-    shards, size = [[]], 0
-    for key in order:
-        nbytes = specs[key][0].itemsize * math.prod(specs[key][1])
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(key)
-        size += nbytes
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shards = group_shards([(k, specs[k][0].itemsize * math.prod(specs[k][1])) for k in order], max_shard_bytes)
+    names = [shard_name(i, len(shards)) for i in range(len(shards))]
     inputs = file_fingerprint(p for p in params.rglob("*") if p.is_file())
     fingerprint = {"job": "export", "version": 1, "inputs": inputs,
                    "config": config_lib.to_dict(cfg), "dtype": dtype, "shards": names,
@@ -164,9 +158,7 @@ def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, 
         for w in writers:
             w.close()
         total = sum(w.size for w in writers)
-        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
-        (stage.tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                                        "weight_map": weight_map}, indent=2))
+        write_index(stage.tmp, {k: name for name, keys in zip(names, shards) for k in keys}, total)
         hf_files = src / orbax_io.HF_FILES
         base = None
         if (hf_files / "config.json").is_file():

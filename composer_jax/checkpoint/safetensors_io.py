@@ -199,3 +199,25 @@ class SafetensorsWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
+
+
+def group_shards(sizes, max_bytes: int) -> list[list]:
+    """[(item, nbytes)] in file order -> consecutive groups of at most `max_bytes` (an item larger than
+    that gets a shard of its own), as Hugging Face shards a checkpoint."""
+    shards, size = [[]], 0
+    for item, nbytes in sizes:
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    (Path(directory) / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total_size},
+                                                          "weight_map": weight_map}, indent=2))

@@ -17,7 +17,7 @@ import numpy as np
 
 from composer_jax.checkpoint.hf import plan_leaves
 from composer_jax.checkpoint.hf_config import hf_config_from
-from composer_jax.checkpoint.safetensors_io import INDEX_FILE, SafetensorsWriter
+from composer_jax.checkpoint.safetensors_io import SafetensorsWriter, group_shards, shard_name, write_index
 from composer_jax.config import ModelConfig
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
@@ -77,22 +77,16 @@ def write_synthetic_hf(path: str | Path, cfg: ModelConfig, fmt: str = "bf16", *,
     if fmt in QUANT_CONFIGS:
         hf["quantization_config"] = QUANT_CONFIGS[fmt]
     (path / "config.json").write_text(json.dumps(hf, indent=2))
-    tensors, shards, size = _tensors(cfg, fmt), [[]], 0
-    for t in tensors:
-        nbytes = t[1].itemsize * math.prod(t[2])
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += nbytes
+    tensors = _tensors(cfg, fmt)
+    shards = group_shards([(t, t[1].itemsize * math.prod(t[2])) for t in tensors], shard_bytes)
     rng, total, weight_map = np.random.default_rng(seed), 0, {}
     for i, group in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = shard_name(i, len(shards))
         writer = SafetensorsWriter(path / name, [t[:3] for t in group], {"format": "pt"})
         for key, dtype, shape, kind in group:
             _fill(writer, key, dtype, shape, kind, rng, block_bytes)
             weight_map[key] = name
         writer.close()
         total += writer.size
-    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    write_index(path, weight_map, total)
     return total
