@@ -1,0 +1,194 @@
+"""The fused RL step on the tiny model: prefix teacher == naive teacher, empty hint => no distillation,
+fused gradient == sum of separately computed terms' gradients, on-policy weights, donation, Muon."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import CausalLM, load_config
+from composer_jax.rl import RLConfig, RLStep, init_state, loss_and_grads, make_optimizer, synthetic_batch
+from composer_jax.rl import losses
+from composer_jax.rl.step import feedback_rows, loss_terms, teacher_predictions
+
+G = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return CausalLM(load_config("tiny"), rngs=nnx.Rngs(0))
+
+
+def _batch(seed=0, hint_len=3, **kw):
+    return synthetic_batch(seed, batch=4, seq=32, vocab_size=256, group_size=G, slots=2, window=12,
+                           hint_len=hint_len, **kw)
+
+
+def _split(model, cfg):
+    return init_state(model, make_optimizer(cfg))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_prefix_teacher_equals_full_context_teacher(model):
+    """The teacher over [hint + turn] attending to the student's latents gives the same next-token
+    distributions on the turn as the naive teacher over the whole hinted context."""
+    batch = _batch()
+
+    @nnx.jit
+    def both(model, batch):
+        out = model.forward(batch.tokens, batch.segment_ids, batch.positions, with_mtp=False, return_latents=True)
+        fb = feedback_rows(batch)
+        return tuple(model.logits(teacher_predictions(model, out.hidden, out.latents, fb, batch, context))
+                     for context in ("prefix", "full")) + (fb.map >= 0,)
+
+    prefix, full, turn = both(model, batch)
+    turn = np.asarray(turn)
+    assert turn.sum() >= 8
+    assert _rel(np.asarray(prefix)[turn], np.asarray(full)[turn]) <= 1e-5
+
+
+def test_self_distillation_vanishes_with_an_empty_hint(model):
+    """With an empty hint the teacher sees the student's own context: the distillation loss and its
+    gradient vanish (to float32 rounding: the prefix path sums attention in another order)."""
+    cfg = RLConfig(group_size=G)
+    graphdef, state = _split(model, cfg)
+
+    @jax.jit
+    def sd(params, batch):
+        def f(p):
+            terms, _ = loss_terms(nnx.merge(graphdef, p, state.frozen),
+                                  nnx.merge(graphdef, jax.lax.stop_gradient(p), state.frozen), batch, cfg)
+            return terms["sd"]
+        value, grads = jax.value_and_grad(f)(params)
+        return value, jnp.max(jnp.stack([jnp.abs(g).max() for g in jax.tree.leaves(grads)]))
+
+    empty_value, empty_grad = map(float, sd(state.params, _batch(hint_len=0)))
+    value, grad = map(float, sd(state.params, _batch(hint_len=3)))
+    assert value > 1e-3 and grad > 1e-3
+    assert abs(empty_value) <= 1e-5 * value and empty_grad <= 1e-5 * grad
+
+
+def _reference_terms(graphdef, frozen, batch, cfg):
+    """Each term computed on its own, the plain way: full logits and, for the teacher, one numpy-built
+    sequence [row before the turn + hint + turn] per used feedback slot."""
+    tokens = np.asarray(batch.tokens)
+    b, s = tokens.shape
+    mask = jnp.asarray(batch.generated, jnp.float32)
+    n = b * s
+    adv = losses.group_advantages(jnp.asarray(batch.rewards), jnp.asarray(batch.group_ids))
+    contexts = []
+    for row, slot in zip(*np.nonzero((batch.teacher_map >= 0).any(-1))):
+        tmap, window = batch.teacher_map[row, slot], batch.teacher_tokens[row, slot]
+        turn = np.flatnonzero(tmap >= 0)
+        start, length = int(tmap[turn[0]]), int(turn[-1]) + 1
+        contexts.append((row, start, np.concatenate([tokens[row, :start], window[:length]]), turn, tmap[turn]))
+    width = max(len(c[2]) for c in contexts)
+
+    def student(params):
+        model = nnx.merge(graphdef, params, frozen)
+        logits = model(jnp.asarray(tokens), jnp.asarray(batch.segment_ids), jnp.asarray(batch.positions))
+        logp = jnp.pad(losses.token_logprobs(logits[:, :-1], jnp.asarray(tokens[:, 1:])), ((0, 0), (1, 0)))
+        return logits, logp, jnp.pad(losses.token_entropy(logits[:, :-1]), ((0, 0), (1, 0)))
+
+    def weights(logp):
+        return losses.importance_weights(logp, jnp.asarray(batch.behaviour_logprobs), cfg.is_cap)[0]
+
+    def pg(params):
+        _, logp, _ = student(params)
+        return losses.policy_gradient_loss(logp, adv, weights(logp), mask, n)
+
+    def kl(params):
+        _, logp, _ = student(params)
+        return losses.k2_kl_loss(logp, jnp.asarray(batch.ref_logprobs), weights(logp), mask, cfg.kl_coef, n)
+
+    def entropy(params):
+        _, _, ent = student(params)
+        return -losses.entropy_bonus(ent, mask, cfg.entropy_coef, n)
+
+    padded = np.zeros((len(contexts), width), np.int32)
+    for i, c in enumerate(contexts):
+        padded[i, :len(c[2])] = c[2]
+
+    def sd(params):
+        logits, _, _ = student(params)
+        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(params), frozen)
+        t_logits = teacher(jnp.asarray(padded))
+        total = 0.0
+        for i, (row, start, _, turn, pos) in enumerate(contexts):   # window slot j sits at column start + j
+            total += jnp.sum(losses.distill_divergence(logits[row, pos - 1], t_logits[i, start + turn - 1],
+                                                       jnp.asarray(tokens[row, pos]), cfg.sd_divergence))
+        return cfg.sd_coef * total / sum(len(c[3]) for c in contexts)
+
+    return {"pg": pg, "kl": kl, "entropy": entropy, "sd": sd}
+
+
+def test_fused_gradient_equals_sum_of_separate_terms(model):
+    batch = _batch(seed=1, with_ref=True)
+    # Behaviour log-probs below the policy's (about -log 256) on some tokens: stale samples hit the cap.
+    stale = np.random.default_rng(2).random(batch.tokens.shape) < 0.3
+    batch = batch._replace(behaviour_logprobs=np.where(batch.generated, np.where(stale, -7.0, -5.0), 0.0)
+                           .astype(np.float32))
+    cfg = RLConfig(group_size=G, kl_coef=0.2, kl_estimator="k2_loss", entropy_coef=0.05, sd_coef=0.5,
+                   is_cap=1.5)
+    graphdef, state = _split(model, cfg)
+    (loss, metrics), fused = jax.jit(lambda st, b: loss_and_grads(graphdef, st, b, cfg))(state, batch)
+    terms = _reference_terms(graphdef, state.frozen, batch, cfg)
+    separate = jax.jit(lambda p: {k: jax.value_and_grad(f)(p) for k, f in terms.items()})(state.params)
+    for name, (value, _) in separate.items():
+        assert abs(float(metrics[f"loss_{name}"]) - float(value)) <= 1e-5 * abs(float(value)), name
+    assert abs(float(loss) - sum(float(v) for v, _ in separate.values())) <= 1e-5 * abs(float(loss))
+    summed = jax.tree.map(lambda *g: sum(g), *(g for _, g in separate.values()))
+    worst = max(_rel(a, b) for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(summed)))
+    assert worst <= 1e-5, worst
+    # Every term contributes, and some tokens hit the importance-weight cap.
+    assert min(float(jnp.abs(v)) for v, _ in separate.values()) > 1e-4
+    assert 0 < float(metrics["is_clip_frac"]) < 1
+
+
+def _on_policy(model, batch):
+    """The batch with behaviour log-probs from the model itself."""
+    @nnx.jit
+    def logprobs(model, tokens):
+        logits = model(tokens, jnp.asarray(batch.segment_ids), jnp.asarray(batch.positions))
+        return jnp.pad(losses.token_logprobs(logits[:, :-1], tokens[:, 1:]), ((0, 0), (1, 0)))
+
+    logp = np.asarray(logprobs(model, jnp.asarray(batch.tokens)))
+    return batch._replace(behaviour_logprobs=np.where(batch.generated, logp, 0.0).astype(np.float32))
+
+
+def _run_step(model, cfg, batch):
+    graphdef, state = _split(model, cfg)
+    state = jax.tree.map(jnp.copy, state)     # the step donates its state: keep the fixture's arrays
+    before = jax.tree.map(lambda x: np.array(x, copy=True), state.params)   # no view may pin a donated buffer
+    rl_step = RLStep(model.cfg, cfg, graphdef)
+    new_state, metrics = rl_step(state, batch)
+    return state, before, new_state, jax.tree.map(float, metrics)
+
+
+def test_step_on_policy_adam(model):
+    """One jitted, donated step with Adam: importance weights are exactly 1 on-policy, every metric is
+    finite, the state advances and the old buffers are donated."""
+    cfg = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, learning_rate=1e-3)
+    state, before, new_state, metrics = _run_step(model, cfg, _on_policy(model, _batch(with_ref=True)))
+    assert abs(metrics["is_weight_mean"] - 1) <= 1e-5 and abs(metrics["is_weight_max"] - 1) <= 1e-5
+    assert metrics["is_clip_frac"] == 0 and metrics["behaviour_kl_k3"] <= 1e-6
+    assert {"loss", "loss_pg", "loss_sd", "kl_k1", "kl_k3", "entropy", "grad_norm", "tokens", "sd_tokens"} <= set(metrics)
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert int(new_state.step) == 1
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before))]
+    assert max(moved) == pytest.approx(1e-3, rel=1e-2)     # Adam's first step moves by ~lr
+    assert jax.tree.leaves(state.params)[0].is_deleted()     # donated
+
+
+@pytest.mark.slow
+def test_step_with_muon(model):
+    cfg = RLConfig(group_size=G, optimizer="muon", learning_rate=1e-3)
+    _, before, new_state, metrics = _run_step(model, cfg, _batch())
+    assert np.isfinite(metrics["loss"])
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before))]
+    assert 0 < max(moved) < 1
