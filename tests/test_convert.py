@@ -210,6 +210,8 @@ def test_export_errors(tmp_path, tiny_hf, capsys):
     convert(src, tmp_path / "orbax")
     assert main(["convert", str(src), str(tmp_path / "orbax"), "--quiet"]) == 2
     assert "already exists (pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", str(src), str(tmp_path / "orbax"), "--quiet", "--overwrite"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["orbax"]  # replaced; no old or partial copy left
     assert main(["export", str(src), str(tmp_path / "x"), "--quiet"]) == 2
     assert "is an orbax checkpoint (no _METADATA)" in capsys.readouterr().err
     chunk = next((tmp_path / "orbax" / "params" / "moe_layers.attn.o_proj").glob("1.*"))
