@@ -157,3 +157,22 @@ def test_clip_scale_matches_optax():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(clipped)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert clip_scale(norm, 0.0) == 1.0 and clip_scale(jnp.asarray(1.0), 2.0) == 1.0
+
+
+def test_micro_batch_sums_with_step_counts_equal_the_full_batch_objective():
+    """Gradient accumulation: summing per-micro-batch objectives normalised by the step's global target
+    counts gives the full-batch objective and gradient."""
+    hidden, mtp_hidden, head, tokens, segments, loss_mask = _inputs(seed=3)
+    n_main, n_mtp = losses.count_targets(tokens, segments, loss_mask, depths=2)
+
+    def objective(h, m, W, rows):
+        sums = losses.lm_loss_sums(h[rows], m[:, rows], W, tokens[rows], segments[rows], loss_mask[rows],
+                                   chunk=4, distill=True)
+        return losses.combine(sums, n_main, n_mtp, mtp_weight=0.3, distill_weight=0.5)
+
+    full = jax.value_and_grad(objective, (0, 1, 2))
+    value, grads = full(hidden, mtp_hidden, head, slice(0, 2))
+    parts = [full(hidden, mtp_hidden, head, slice(i, i + 1)) for i in range(2)]
+    np.testing.assert_allclose(parts[0][0] + parts[1][0], value, rtol=1e-6)
+    for g, g0, g1 in zip(grads, parts[0][1], parts[1][1]):
+        np.testing.assert_allclose(g0 + g1, g, rtol=1e-5, atol=1e-7)

@@ -77,6 +77,35 @@ class Grids:
                 out[g] = [fn(*leaves) for leaves in zip(*(s[g] for s in split))]
         return self.join(out)
 
+    def mesh_group(self, x) -> str:
+        """'expert' if the (traced) array lives on the expert mesh, else 'dense'."""
+        if self.dual is None:
+            return "dense"
+        mesh = jax.typeof(x).sharding.mesh
+        return "expert" if not mesh.empty and mesh.axis_names == self.dual.expert.axis_names else "dense"
+
+    def select(self, ok: jax.Array, new, old):
+        """jnp.where(ok, new, old) leafwise over any pytree (e.g. optimizer state), each leaf on its mesh;
+        `ok` is a dense-mesh bool scalar."""
+        flags = {g: self.to_group(ok, g) for g in GROUPS} if self.dual is not None else {"dense": ok}
+
+        def one(a, b):
+            g = self.mesh_group(a)
+            with self.scope(g):
+                return jnp.where(flags[g], a, b)
+
+        return jax.tree.map(one, new, old)
+
+    def scale(self, tree, factor: jax.Array):
+        """Every leaf of a params-shaped tree times a dense-mesh scalar, on its own mesh."""
+        groups = self.split(tree)
+        out = {}
+        for g in GROUPS:
+            f = self.to_group(factor, g)
+            with self.scope(g):
+                out[g] = [x * f.astype(x.dtype) for x in groups[g]]
+        return self.join(out)
+
     def sum_of_squares(self, tree) -> jax.Array:
         """f32[] on the dense mesh: the sum of squares of every leaf (the squared global norm)."""
         total = jnp.zeros((), jnp.float32)

@@ -38,6 +38,7 @@ from composer_jax.data.tokenizer import load_tokenizer
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh, param_shardings
 from composer_jax.parallel.mesh import BATCH_AXES
+from composer_jax.parallel.partitioning import like_params
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import step as step_lib
 from composer_jax.train.config import RunConfig, to_dict
@@ -85,9 +86,12 @@ def state_shardings(abstract: step_lib.TrainState, dual: DualMesh, grids: Grids)
     parameter, counters replicated. Checkpoints restore onto whatever this returns."""
     params = param_shardings(abstract.params, dual)
     replicated = {"dense": NamedSharding(dual.dense, P()), "expert": NamedSharding(dual.expert, P())}
-    shapes, shards = grids.split(abstract.params), grids.split(params)
-    opt = {g: _opt_shardings(abstract.opt_state[g], [(tuple(a.shape), b) for a, b in zip(shapes[g], shards[g])],
-                             replicated[g]) for g in GROUPS}
+    if "all" in abstract.opt_state:  # a whole-State optimizer (Muon): moments match params by path
+        opt = {"all": like_params(abstract.opt_state["all"], abstract.params, params, dual)}
+    else:
+        shapes, shards = grids.split(abstract.params), grids.split(params)
+        opt = {g: _opt_shardings(abstract.opt_state[g], [(tuple(a.shape), b) for a, b in zip(shapes[g], shards[g])],
+                                 replicated[g]) for g in GROUPS}
     return step_lib.TrainState(replicated["dense"], params, param_shardings(abstract.biases, dual), opt,
                                replicated["dense"])
 
@@ -142,18 +146,18 @@ class Trainer:
             self.eval_data = build_dataset(cfg.data, self.tokenizer, split="eval", seq_len=tc.seq_len,
                                            batch_size=tc.batch_size // jax.process_count(), repeat=False,
                                            skips=SkipLog(log_first=0), **shard)
-        self.tx, self.schedule = make_optimizer(cfg.optimizer, tc.steps)
+        self.opt = make_optimizer(cfg.optimizer, tc.steps)
         self.graphdef, abstract_params, _, self.rest = step_lib.abstract_model_parts(cfg)
         self.grids = Grids(param_shardings(abstract_params, self.dual), self.dual)
-        abstract = jax.eval_shape(lambda: step_lib.init_state(cfg, self.tx, self.grids))
+        abstract = jax.eval_shape(lambda: step_lib.init_state(cfg, self.opt, self.grids))
         self.shardings = state_shardings(abstract, self.dual, self.grids)
         self.abstract = abstract_like(abstract, self.shardings)
         self.ckpt = TrainCheckpointer(self.run_dir / "checkpoints", array_items=ARRAY_ITEMS, json_items=JSON_ITEMS,
                                       save_every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
                                       async_save=cfg.checkpoint.async_save)
         self.iterator = iter(self.train_data)
-        self.step_fn = jax.jit(step_lib.make_train_step(cfg, self.graphdef, self.rest, self.tx, self.schedule,
-                                                        self.grids), donate_argnums=0)
+        self.step_fn = jax.jit(step_lib.make_train_step(cfg, self.graphdef, self.rest, self.opt, self.grids),
+                               donate_argnums=0)
         self.eval_fn = jax.jit(step_lib.make_eval_step(cfg, self.graphdef, self.rest))
         self._eval_batches = None
         with self.dual:
@@ -177,7 +181,7 @@ class Trainer:
             return self._load_init_params()
 
         def init():
-            return jax.tree.map(jax.sharding.reshard, step_lib.init_state(self.cfg, self.tx, self.grids),
+            return jax.tree.map(jax.sharding.reshard, step_lib.init_state(self.cfg, self.opt, self.grids),
                                 self.shardings)
 
         return jax.jit(init)()
@@ -199,14 +203,10 @@ class Trainer:
         log.info("initialised params from %s", source)
 
         def fresh(params, biases):
-            groups = self.grids.split(params)
-            opt = {}
-            for g in GROUPS:
-                with self.grids.scope(g):
-                    opt[g] = self.tx.init(groups[g])
             zero = jnp.zeros((), jnp.int32)
-            return jax.tree.map(jax.sharding.reshard, step_lib.TrainState(zero, params, biases, opt, zero),
-                                self.shardings)
+            state = step_lib.TrainState(zero, params, biases, step_lib.init_opt_state(self.opt, params, self.grids),
+                                        zero)
+            return jax.tree.map(jax.sharding.reshard, state, self.shardings)
 
         return jax.jit(fresh)(model["params"], model["biases"])
 

@@ -4,6 +4,7 @@ and a warmup-stable-decay learning-rate schedule."""
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,21 +49,31 @@ def _muon(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTrans
                                                 "installation yet; use optimizer.name=adamw") from None
         raise
     try:
-        return module.muon(learning_rate=schedule, weight_decay=cfg.weight_decay, beta=cfg.b1,
-                           adam_b1=cfg.b1, adam_b2=cfg.b2, eps=cfg.eps)
+        # Muon for the matrices it plans from the params' metadata, AdamW (no decay) for the rest.
+        return module.muon(learning_rate=schedule, weight_decay=cfg.weight_decay, eps=cfg.eps,
+                           adam_b1=cfg.b1, adam_b2=cfg.b2)
     except TypeError as e:
         raise ConfigError("optimizer.name", f"composer_jax.optim.muon.muon rejected the arguments: {e}") from None
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(transformation, learning-rate schedule). The transformation is applied per mesh group of
-    leaves (composer_jax.train.grids); global-norm clipping, which needs every leaf, is done by the
-    step before it (`clip_scale`)."""
+class Optimizer(NamedTuple):
+    """tx, its learning-rate schedule, and how it meets the two meshes: `per_group` transformations
+    (optax AdamW) run once per mesh group on a flat list of that group's leaves; the others (Muon)
+    take the whole parameter State, metadata included, and keep each leaf on its own mesh themselves."""
+
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    per_group: bool
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> Optimizer:
+    """The configured optimizer. Global-norm clipping, which needs every leaf, is done by the step
+    before it (`clip_scale`)."""
     schedule = wsd_schedule(cfg, total_steps)
     if cfg.name == "muon":
-        return _muon(cfg, schedule), schedule
-    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                       mask=decay_mask), schedule
+        return Optimizer(_muon(cfg, schedule), schedule, per_group=False)
+    tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return Optimizer(tx, schedule, per_group=True)
 
 
 def clip_scale(grad_norm: jax.Array, max_norm: float) -> jax.Array:

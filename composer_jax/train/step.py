@@ -7,13 +7,15 @@ One step (jitted; the state is donated; no host synchronisation inside):
 3. the global gradient norm and clipping factor over both meshes' leaves;
 4. a finite guard: if the loss or the gradient norm is not finite, params, optimizer state and router
    biases stay as they were and `skipped` counts the step;
-5. the optimizer update (AdamW or Muon), per mesh group of leaves (composer_jax.train.grids), and the
+5. the optimizer update (AdamW per mesh group of leaves, or Muon on the whole State; see
+   composer_jax.train.grids and optimizer.Optimizer), and the
    router correction-bias update `b <- b + rate * sign(mean(load) - load)` from the step's summed
    expert loads (main MoE layers and MTP depths), outside the optimizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import jax
@@ -27,7 +29,7 @@ from composer_jax.model.router import updated_bias
 from composer_jax.train import losses
 from composer_jax.train.config import RunConfig
 from composer_jax.train.grids import GROUPS, Grids
-from composer_jax.train.optimizer import clip_scale
+from composer_jax.train.optimizer import Optimizer, clip_scale
 
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
@@ -53,12 +55,39 @@ def abstract_model_parts(cfg: RunConfig):
     return split_model(nnx.eval_shape(lambda: CausalLM(cfg.model, rngs=nnx.Rngs(0))))
 
 
-def init_state(cfg: RunConfig, tx: optax.GradientTransformation, grids: Grids) -> TrainState:
+def init_opt_state(opt: Optimizer, params: nnx.State, grids: Grids) -> dict:
+    """{"dense": ..., "expert": ...} per mesh group (per-group optimizers) or {"all": ...} (Muon)."""
+    if not opt.per_group:
+        return {"all": opt.tx.init(params)}
+    groups, out = grids.split(params), {}
+    for g in GROUPS:
+        # Fresh params are not on any mesh yet; restored ones are, and need their mesh's scope.
+        on_mesh = groups[g] and grids.mesh_group(groups[g][0]) == g
+        with grids.scope(g) if on_mesh else contextlib.nullcontext():
+            out[g] = opt.tx.init(groups[g])
+    return out
+
+
+def init_state(cfg: RunConfig, opt: Optimizer, grids: Grids) -> TrainState:
     """A fresh TrainState (traceable: run under `jax.jit` and reshard to place it)."""
     _, params, biases, _ = split_model(CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
     zero = jnp.zeros((), jnp.int32)
-    groups = grids.split(params)
-    return TrainState(zero, params, biases, {g: tx.init(groups[g]) for g in GROUPS}, zero)
+    return TrainState(zero, params, biases, init_opt_state(opt, params, grids), zero)
+
+
+def apply_optimizer(opt: Optimizer, grids: Grids, grads, opt_state: dict, params, ok: jax.Array):
+    """(new params, new optimizer state); both stay as they were where the dense-mesh scalar `ok` is False."""
+    if not opt.per_group:
+        updates, new = opt.tx.update(grads, opt_state["all"], params)
+        return (grids.select(ok, grids.map(jnp.add, params, updates), params),
+                {"all": grids.select(ok, new, opt_state["all"])})
+    g_groups, p_groups = grids.split(grads), grids.split(params)
+    new_params, new_opt = {}, {}
+    for g in GROUPS:
+        with grids.scope(g):
+            updates, new_opt[g] = opt.tx.update(g_groups[g], opt_state[g], p_groups[g])
+            new_params[g] = optax.apply_updates(p_groups[g], updates)
+    return grids.select(ok, grids.join(new_params), params), grids.select(ok, new_opt, opt_state)
 
 
 def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, distill: bool):
@@ -91,7 +120,7 @@ def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
     return jax.tree_util.tree_map_with_path(one, biases)
 
 
-def make_train_step(cfg: RunConfig, graphdef, rest, tx: optax.GradientTransformation, schedule: optax.Schedule,
+def make_train_step(cfg: RunConfig, graphdef, rest, opt: Optimizer,
                     grids: Grids) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The (un-jitted) step: (state, batch [accum, micro, seq]) -> (state, metrics of f32/int32 scalars)."""
     mcfg, tcfg = cfg.model, cfg.train
@@ -125,27 +154,17 @@ def make_train_step(cfg: RunConfig, graphdef, rest, tx: optax.GradientTransforma
 
         grad_norm = jnp.sqrt(grids.sum_of_squares(grads))
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        scale = clip_scale(grad_norm, cfg.optimizer.max_grad_norm)
-        g_groups, p_groups = grids.split(grads), grids.split(state.params)
-        new_params, new_opt = {}, {}
-        for g in GROUPS:
-            ok, s = grids.to_group(finite, g), grids.to_group(scale, g)
-            with grids.scope(g):
-                updates, opt = tx.update([x * s.astype(x.dtype) for x in g_groups[g]], state.opt_state[g],
-                                         p_groups[g])
-                params = optax.apply_updates(p_groups[g], updates)
-                new_params[g] = [jnp.where(ok, a, b) for a, b in zip(params, p_groups[g])]
-                new_opt[g] = jax.tree.map(lambda a, b: jnp.where(ok, a, b), opt, state.opt_state[g])
+        grads = grids.scale(grads, clip_scale(grad_norm, cfg.optimizer.max_grad_norm))
+        params, opt_state = apply_optimizer(opt, grids, grads, state.opt_state, state.params, finite)
         biases = update_biases(state.biases, loads, mcfg.moe.bias_update_rate)
-        biases = jax.tree.map(lambda a, b: jnp.where(finite, a, b), biases, state.biases)
-        new_state = TrainState(state.step + 1, grids.join(new_params), biases, new_opt,
-                               state.skipped + (~finite).astype(jnp.int32))
+        biases = grids.select(finite, biases, state.biases)
+        new_state = TrainState(state.step + 1, params, biases, opt_state, state.skipped + (~finite).astype(jnp.int32))
         main_load = loads["moe_layers"]
         metrics = {
             "loss": loss,
             "ce": sums.ce / jnp.maximum(n_main, 1.0),
             "grad_norm": grad_norm,
-            "lr": schedule(state.step),
+            "lr": opt.schedule(state.step),
             "finite": finite,
             "skipped": new_state.skipped,
             "target_tokens": n_main,
