@@ -32,6 +32,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.optim.grid import concrete, mesh_of, on_mesh
+
 
 @dataclasses.dataclass(frozen=True)
 class MatrixView:
@@ -92,15 +94,13 @@ class _Leaf:
 
 
 def _leaf(index: int, x: jax.Array, view: MatrixView) -> _Leaf:
-    sharding = jax.typeof(x).sharding
-    mesh = getattr(sharding, "mesh", None)
-    explicit = (isinstance(sharding, NamedSharding) and mesh is not None and not mesh.empty and mesh.size > 1
-                and all(t == AxisType.Explicit for t in mesh.axis_types))
-    if not explicit:
+    mesh = mesh_of(x)
+    if mesh is None or mesh.size == 1 or not all(t == AxisType.Explicit for t in mesh.axis_types):
         return _Leaf(index, tuple(x.shape), view, None, P(), ((),) * x.ndim)
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    dim_axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec)
-    return _Leaf(index, tuple(x.shape), view, mesh, sharding.spec, dim_axes)
+    spec = jax.typeof(x).sharding.spec
+    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+    dim_axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+    return _Leaf(index, tuple(x.shape), view, mesh, spec, dim_axes)
 
 
 @dataclasses.dataclass
@@ -211,7 +211,7 @@ def _pack_partial_layers(group: list[_Bucket]) -> list[list[int]]:
     possible, choosing each bucket's rotation so that no device holds two real matrices of one layer.
     Returns, per shared layer, the indices of its buckets."""
     shared: list[tuple[np.ndarray, list[int]]] = []
-    order = sorted((i for i, b in enumerate(group) if b.partial), key=lambda i: -group[i].partial)
+    order = sorted((i for i, b in enumerate(group) if b.partial), key=lambda i: -group[i].real_devices(0).sum())
     for i in order:
         bucket = group[i]
         for used, members in shared:
@@ -258,7 +258,14 @@ def _plan_chunks(group: list[_Bucket], shared: list[list[int]], chunks: int) -> 
 def _shard_map(fn, bucket: _Bucket, in_specs, out_specs, check_vma=True):
     if bucket.mesh is None:
         return fn
-    return jax.shard_map(fn, mesh=bucket.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    mapped = jax.shard_map(fn, mesh=concrete(bucket.mesh), in_specs=in_specs, out_specs=out_specs,
+                           check_vma=check_vma)
+
+    def run(*args):
+        with on_mesh(bucket.mesh):
+            return mapped(*args)
+
+    return run
 
 
 def _stack_spec(bucket: _Bucket):
@@ -335,7 +342,8 @@ def _to_mesh(x: jax.Array, src: _Bucket, dst: _Bucket) -> jax.Array:
     both enumerate the devices in the same order)."""
     if src.mesh == dst.mesh:
         return x
-    return jax.sharding.reshard(x, NamedSharding(dst.mesh, _stack_spec(dst)))
+    with on_mesh(dst.mesh):
+        return jax.sharding.reshard(x, NamedSharding(dst.mesh, _stack_spec(dst)))
 
 
 def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
@@ -354,7 +362,8 @@ def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
     outputs: list[jax.Array | None] = [None] * len(xs)
     for (devices, m, n, _), group in groups.items():
         shared = _pack_partial_layers(group)
-        plan = _plan_chunks(group, shared, chunks)
+        communicates = any(b.gathered or b.replicated for b in group)  # else there is nothing to overlap
+        plan = _plan_chunks(group, shared, chunks if communicates else 1)
         home = group[0]
         gathered = [dict(zip((p[:2] for p in b.pieces), _gather(b, [xs[leaf.index] for leaf in b.leaves])))
                     for b in group]
@@ -364,24 +373,23 @@ def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
             return _to_mesh(gathered[i][key], group[i], home).reshape(devices, -1, m, n)
 
         for c, parts in enumerate(plan):
-            inputs = []
-            for part in parts:
-                if part[0] == "full":
-                    inputs.append(stack(part[1], (c, part[2])))
-                else:  # members own disjoint devices, so their sum holds each one's real matrices
-                    members = shared[part[1]]
-                    inputs.append(sum(stack(i, (c, group[i].full_layers)) for i in members))
-            out = ns(jnp.concatenate(inputs, axis=1))
-            start = 0
-            for part, x in zip(parts, inputs):
-                size = x.shape[1]
-                piece = out[:, start:start + size].reshape(devices * size, m, n)
-                start += size
-                if part[0] == "full":
-                    results[part[1]][(c, part[2])] = _to_mesh(piece, home, group[part[1]])
-                else:
-                    for i in shared[part[1]]:
-                        results[i][(c, group[i].full_layers)] = _to_mesh(piece, home, group[i])
+            with on_mesh(home.mesh):
+                inputs = []
+                for part in parts:
+                    if part[0] == "full":
+                        inputs.append(stack(part[1], (c, part[2])))
+                    else:  # members own disjoint devices, so their sum holds each one's real matrices
+                        inputs.append(sum(stack(i, (c, group[i].full_layers)) for i in shared[part[1]]))
+                out = ns(jnp.concatenate(inputs, axis=1))
+                pieces, start = [], 0
+                for x in inputs:
+                    pieces.append(out[:, start:start + x.shape[1]].reshape(-1, m, n))
+                    start += x.shape[1]
+            for part, piece in zip(parts, pieces):
+                owners = [(part[1], (c, part[2]))] if part[0] == "full" else \
+                    [(i, (c, group[i].full_layers)) for i in shared[part[1]]]
+                for i, key in owners:
+                    results[i][key] = _to_mesh(piece, home, group[i])
         for bucket, res in zip(group, results):
             pieces = [res[p[:2]] for p in bucket.pieces]
             for leaf, y in zip(bucket.leaves, _scatter(bucket, pieces)):
