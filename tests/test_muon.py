@@ -170,13 +170,17 @@ def test_nnx_optimizer_and_frozen_variables():
     for (path, u), u_ref in zip(jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(updates_ref)):
         assert _rel(u, u_ref) <= 1e-5, jax.tree_util.keystr(path)
 
+    # The whole state, variables and metadata included, as a training step may pass it.
     everything = nnx.state(model)
     tx = muon(0.1, ns_dtype="float32")
     state = tx.init(everything)
-    values = pure(everything)
-    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, values), state, values)
-    np.testing.assert_array_equal(updates["bias"], 0.0)
-    assert all(np.all(np.asarray(u) != 0) for u in jax.tree.leaves({k: v for k, v in updates.items() if k != "bias"}))
+    grads = jax.tree.map(lambda v: v.replace(jnp.ones_like(v.get_value())), everything,
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    updates, _ = jax.jit(tx.update)(grads, state, everything)
+    assert isinstance(updates["bias"], RouterBias) and isinstance(updates["q_b"], nnx.Param)
+    np.testing.assert_array_equal(updates["bias"].get_value(), 0.0)
+    others = jax.tree.leaves({k: u for k, u in pure(updates).items() if k != "bias"})
+    assert len(others) == 4 and all(np.all(np.asarray(u) != 0) for u in others)
 
 
 def test_inject_hyperparams_and_chain():

@@ -30,7 +30,7 @@ import optax
 from composer_jax.optim import layout
 from composer_jax.optim.grid import abstract, localize, localize_tree, mesh_of, on_mesh
 from composer_jax.optim.newton_schulz import coefficient_schedule, newton_schulz
-from composer_jax.optim.plan import ADAM, FROZEN, MUON, MuonPlan, make_plan, pure
+from composer_jax.optim.plan import FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
 
 DEFAULT_NS_STEPS = 5
 DEFAULT_CHUNKS = 4
@@ -158,18 +158,20 @@ def muon(
         if not isinstance(state, MuonState):
             raise TypeError(f"muon: expected the MuonState made by this transformation's init, got {type(state)}")
         plan = state.plan
+        given, updates = updates, pure(updates)   # nnx.Variable leaves are accepted and given back
+        params = pure(params) if params is not None else None
         if jax.tree.structure(updates) != plan.treedef:
-            raise ValueError("muon: the updates' tree differs from the parameters given to init (pass plain "
-                             f"arrays, as nnx.Optimizer does):\n  init:   {plan.treedef}\n  update: "
-                             f"{jax.tree.structure(updates)}")
+            raise ValueError("muon: the updates' tree differs from the parameters given to init:\n  init:   "
+                             f"{plan.treedef}\n  update: {jax.tree.structure(updates)}")
         grads = jax.tree.leaves(updates)
         for path, shape, g in zip(plan.paths, plan.shapes, grads):
             if tuple(g.shape) != shape:
                 raise ValueError(f"muon: update for '{path}' has shape {tuple(g.shape)}, init saw {shape}")
-        for i in plan.indices(ADAM):
-            if abstract(mesh_of(grads[i])) != plan.meshes[i]:
-                raise ValueError(f"muon: update for '{plan.paths[i]}' lives on mesh {mesh_of(grads[i])}, but init "
-                                 f"saw {plan.meshes[i]}: initialize with the parameters as they are sharded")
+        for _, members in plan.adam_groups():
+            meshes = {abstract(mesh_of(grads[i])) for i in members}
+            if len(meshes) > 1:
+                raise ValueError(f"muon: AdamW leaves {[plan.paths[i] for i in members]} share one state at init "
+                                 f"but now live on {len(meshes)} meshes: initialize with the parameters as sharded")
         decays = not (isinstance(weight_decay, (int, float)) and weight_decay == 0)
         if params is None and decays:
             raise ValueError("muon: weight_decay needs the parameters: call update(updates, state, params)")
@@ -208,6 +210,10 @@ def muon(
 
         new_state = MuonState(optax.safe_increment(state.count), _masked(plan, dict(zip(muon_ids, new_mu))),
                               tuple(new_adam), plan)
-        return jax.tree.unflatten(plan.treedef, out), new_state
+        result = jax.tree.unflatten(plan.treedef, out)
+        if any(is_variable(v) for v in jax.tree.leaves(given, is_leaf=is_variable)):
+            result = jax.tree.map(lambda v, u: v.replace(u) if is_variable(v) else u, given, result,
+                                  is_leaf=is_variable)
+        return result, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

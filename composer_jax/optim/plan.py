@@ -22,7 +22,7 @@ from composer_jax.optim.grid import abstract, mesh_of
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
 
 
-def _is_variable(x) -> bool:
+def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
@@ -40,7 +40,7 @@ def _path_str(path) -> str:
 
 def pure(tree):
     """The tree with every `nnx.Variable` replaced by its value (the structure `update` receives)."""
-    return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
+    return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v, tree, is_leaf=is_variable)
 
 
 def _metadata_dims(path: str, var: nnx.Variable) -> MuonDimensionNumbers | None:
@@ -65,7 +65,7 @@ def _metadata_dims(path: str, var: nnx.Variable) -> MuonDimensionNumbers | None:
 def dimension_numbers(params) -> Any:
     """A tree like `pure(params)` of `MuonDimensionNumbers` (Muon matrices) or None (everything else),
     read from each `nnx.Variable`'s metadata. Usable as optax.contrib.muon's dimension numbers."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)
     dims = [_metadata_dims(_path_str(p), v) if isinstance(v, nnx.Param) else None for p, v in leaves]
     return jax.tree.unflatten(jax.tree.structure(pure(params)), dims)
 
@@ -108,7 +108,8 @@ class MuonPlan:
         return [i for i, kind in enumerate(self.labels) if kind == label]
 
     def adam_groups(self) -> list[tuple[Any, list[int]]]:
-        """AdamW leaves grouped by mesh (each group gets its own AdamW state and runs on its mesh)."""
+        """AdamW leaves grouped by their mesh at init: each group gets its own AdamW state (its step
+        count on its own mesh) and runs on its mesh. Parameters not yet sharded at init form one group."""
         groups: dict[Any, list[int]] = {}
         for i in self.indices(ADAM):
             groups.setdefault(self.meshes[i], []).append(i)
@@ -122,15 +123,15 @@ class MuonPlan:
 
 def make_plan(params, weight_dimension_numbers=None) -> MuonPlan:
     """Resolve every leaf's label and matrix view (see the module docstring for the rules)."""
-    raw, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_variable)
+    raw, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)
     values = pure(params)
     treedef = jax.tree.structure(values)
     paths = tuple(_path_str(p) for p, _ in raw)
-    shapes = tuple(tuple(jnp.shape(v.get_value() if _is_variable(v) else v)) for _, v in raw)
-    frozen = [_is_variable(v) and not isinstance(v, nnx.Param) for _, v in raw]  # e.g. the router bias
+    shapes = tuple(tuple(jnp.shape(v.get_value() if is_variable(v) else v)) for _, v in raw)
+    frozen = [is_variable(v) and not isinstance(v, nnx.Param) for _, v in raw]  # e.g. the router bias
 
     if weight_dimension_numbers is None:
-        if any(_is_variable(v) for _, v in raw):
+        if any(is_variable(v) for _, v in raw):
             dims = [_metadata_dims(path, v) if isinstance(v, nnx.Param) else None for path, (_, v) in zip(paths, raw)]
         else:  # optax's default rule for plain arrays
             dims = [MuonDimensionNumbers() if len(s) == 2 else None for s in shapes]
