@@ -149,7 +149,11 @@ class Trainer:
         self.opt = make_optimizer(cfg.optimizer, tc.steps)
         self.graphdef, abstract_params, _, self.rest = step_lib.abstract_model_parts(cfg)
         self.grids = Grids(param_shardings(abstract_params, self.dual), self.dual)
-        abstract = jax.eval_shape(lambda: step_lib.init_state(cfg, self.opt, self.grids))
+        # Two passes: params/bias shardings first, then the optimizer state built from placed params.
+        unplaced = jax.eval_shape(lambda: step_lib.init_state(cfg, self.opt, self.grids))
+        placement = state_shardings(unplaced, self.dual, self.grids)
+        with self.dual:
+            abstract = jax.eval_shape(lambda: step_lib.init_state(cfg, self.opt, self.grids, placement))
         self.shardings = state_shardings(abstract, self.dual, self.grids)
         self.abstract = abstract_like(abstract, self.shardings)
         self.ckpt = TrainCheckpointer(self.run_dir / "checkpoints", array_items=ARRAY_ITEMS, json_items=JSON_ITEMS,
@@ -181,8 +185,8 @@ class Trainer:
             return self._load_init_params()
 
         def init():
-            return jax.tree.map(jax.sharding.reshard, step_lib.init_state(self.cfg, self.opt, self.grids),
-                                self.shardings)
+            state = step_lib.init_state(self.cfg, self.opt, self.grids, self.shardings)
+            return jax.tree.map(jax.sharding.reshard, state, self.shardings)
 
         return jax.jit(init)()
 

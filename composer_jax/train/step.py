@@ -68,9 +68,13 @@ def init_opt_state(opt: Optimizer, params: nnx.State, grids: Grids) -> dict:
     return out
 
 
-def init_state(cfg: RunConfig, opt: Optimizer, grids: Grids) -> TrainState:
-    """A fresh TrainState (traceable: run under `jax.jit` and reshard to place it)."""
+def init_state(cfg: RunConfig, opt: Optimizer, grids: Grids, shardings: TrainState | None = None) -> TrainState:
+    """A fresh TrainState (traceable: run under `jax.jit`). With `shardings`, params and biases are
+    placed first and the optimizer state is built from the placed params (Muon plans per mesh)."""
     _, params, biases, _ = split_model(CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
+    if shardings is not None:
+        params = jax.tree.map(jax.sharding.reshard, params, shardings.params)
+        biases = jax.tree.map(jax.sharding.reshard, biases, shardings.biases)
     zero = jnp.zeros((), jnp.int32)
     return TrainState(zero, params, biases, init_opt_state(opt, params, grids), zero)
 
