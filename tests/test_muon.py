@@ -2,7 +2,6 @@
 nnx.Optimizer, optax composition, sharded state, per-device NS FLOPs and input errors."""
 
 import contextlib
-import math
 
 import jax
 import jax.numpy as jnp

@@ -37,12 +37,12 @@ def _reference(x: np.ndarray, reduction, output) -> np.ndarray:
     return np.transpose(out.reshape(shape), np.argsort(perm))
 
 
-def _run(cases, chunks):
-    """cases: (shape, mesh | None, spec, reduction, output). Returns outputs, inputs and NS calls."""
+def _run(cases, chunks, dtype=jnp.float32):
+    """cases: (shape, mesh | None, spec, reduction, output). Returns outputs, inputs, NS calls and HLO."""
     rng = np.random.default_rng(0)
     xs, views = [], []
     for shape, mesh, spec, red, out in cases:
-        x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
         xs.append(jax.device_put(x, NamedSharding(mesh, spec)) if mesh is not None else x)
         views.append(matrix_view(shape, red, out))
     calls = []
@@ -52,12 +52,15 @@ def _run(cases, chunks):
         return _per_matrix(x)
 
     fn = jax.jit(lambda xs: orthogonalize(xs, views, ns, chunks))
-    return fn(xs), xs, calls, fn.lower(xs).compile().as_text()
+    lowered = fn.lower(xs)
+    return fn(xs), xs, calls, lowered.compile().as_text(), lowered.as_text()
 
 
-def _check(cases, outs, xs):
+def _check(cases, outs, xs, tol=2e-5):
     for (shape, mesh, spec, red, out), x, y in zip(cases, xs, outs):
-        np.testing.assert_allclose(np.asarray(y), _reference(np.asarray(x), red, out), rtol=2e-5, atol=2e-5)
+        assert y.dtype == x.dtype
+        expected = _reference(np.asarray(x, np.float64), red, out)
+        np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=tol, atol=tol * np.abs(expected).max())
         assert jax.typeof(y).sharding.spec == jax.typeof(x).sharding.spec, (shape, spec)
 
 
@@ -81,7 +84,7 @@ def test_dual_grid_leaves(chunks):
         ((4, 8), dense, P(None, None), (0,), (1,)),                         # replicated everywhere
         ((6, 6), None, None, (0,), (1,)),                                   # no mesh: global view
     ]
-    outs, xs, calls, hlo = _run(cases, chunks)
+    outs, xs, calls, hlo, _ = _run(cases, chunks)
     _check(cases, outs, xs)
     assert "all-reduce" not in _collectives(hlo)
     # Every device runs ceil(matrices / 8) matrices of shape (4, 8): 32 + 32 experts + 3 stacked
@@ -105,11 +108,16 @@ def test_small_buckets_share_one_layer():
         ((1, 32, 16), dense, P(None, "fsdp", None), (1,), (2,)),      # down
         ((1, 16, 32), expert, P(None, "fsdp", None), (1,), (2,)),     # on the other grid
     ]
-    outs, xs, calls, hlo = _run(cases, chunks=1)
+    outs, xs, calls, hlo, _ = _run(cases, chunks=1)
     _check(cases, outs, xs)
     assert calls == [(8, 1, 16, 32)]
     # Moving stacks between the two grids (same devices, same order) moves no data.
     assert "collective-permute" not in _collectives(hlo)
+    # bfloat16 leaves travel and run in bfloat16: half the all-to-all bytes (XLA:CPU itself widens them).
+    outs, xs, _, _, program = _run(cases, chunks=1, dtype=jnp.bfloat16)
+    _check(cases, outs, xs, tol=3e-2)
+    exchanges = [line for line in program.splitlines() if "all_to_all" in line]
+    assert exchanges and all("bf16" in line for line in exchanges)
 
 
 def test_tuple_axes_and_two_sharded_matrix_dims():
@@ -121,7 +129,7 @@ def test_tuple_axes_and_two_sharded_matrix_dims():
         ((3, 2, 4, 12), mesh, P(None, None, "b", None), (0, 2), (3,)),  # two reduction axes
     ]
     for chunks in (1, 2):
-        outs, xs, _, _ = _run(cases, chunks)
+        outs, xs, *_ = _run(cases, chunks)
         _check(cases, outs, xs)
 
 
@@ -129,6 +137,6 @@ def test_batch_sharded_leaves_need_no_communication():
     mesh = _mesh((4, 2), ("ep", "fsdp"))
     cases = [((16, 6, 10), mesh, P(("ep", "fsdp"), None, None), (1,), (2,)),
              ((2, 8, 6, 10), mesh, P("fsdp", "ep", None, None), (2,), (3,))]
-    outs, xs, _, hlo = _run(cases, chunks=2)
+    outs, xs, _, hlo, _ = _run(cases, chunks=2)
     _check(cases, outs, xs)
     assert not _collectives(hlo)

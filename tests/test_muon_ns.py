@@ -34,7 +34,8 @@ def _matrix(m: int, n: int, lower: float, seed: int) -> np.ndarray:
 
 def test_presets_and_schedule_semantics():
     np.testing.assert_array_equal(ns.coefficient_schedule("standard", 3), np.array([ns.JORDAN] * 3))
-    np.testing.assert_array_equal(ns.coefficient_schedule("jordan", 2), ns.coefficient_schedule((3.4445, -4.775, 2.0315), 2))
+    np.testing.assert_array_equal(ns.coefficient_schedule("jordan", 2),
+                                  ns.coefficient_schedule((3.4445, -4.775, 2.0315), 2))
     np.testing.assert_array_equal(ns.coefficient_schedule("dion", 5), np.array(ns.DION))
     # A schedule runs in order: truncated to ns_steps, its last row repeated beyond its length.
     np.testing.assert_array_equal(ns.coefficient_schedule("dion", 3), np.array(ns.DION[:3]))

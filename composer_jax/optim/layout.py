@@ -11,10 +11,13 @@ three kinds:
 - all other axes: the leaf is replicated there, so each device takes its own slice of the stack
   (no communication) and the results are all-gathered back.
 Leaves with the same matrix shape and the same kind of sharding ("bucket") share one all-to-all; all
-buckets of one matrix shape ("group") share one batched Newton-Schulz per chunk. Chunks are independent
+buckets of one matrix shape ("group"), whichever mesh they live on, share one batched Newton-Schulz per
+chunk. Each device gets its bucket's matrices in layers (one matrix per device per layer); only a
+bucket's last layer can be partly padding (zero matrices: NS maps zero to zero), and the last layers
+of a group's buckets are packed, rotated onto disjoint devices, into as few shared layers as fit, so a
+group costs each device about ceil(matrices / devices) NS. Chunks are independent
 all-to-all -> NS -> all-to-all chains, so XLA's scheduler can overlap one chunk's communication with
-another's compute. Every device ends up with ceil(matrices in the bucket / devices) whole matrices per
-bucket (zero matrices pad the rest; NS maps zero to zero).
+another's compute.
 
 Leaves on a mesh with non-Explicit axes, or without a mesh, are handled in the global view
 (XLA partitions that).
@@ -39,14 +42,13 @@ from composer_jax.optim.grid import concrete, mesh_of, on_mesh
 class MatrixView:
     """Which leaf axes index matrices (`batch`) and which form each matrix's rows and columns.
 
-    Rows are the smaller side (the Gram matrix of NS is rows x rows); `transposed` says whether the
-    rows are the output axes, i.e. the matrix is the transpose of the x @ W orientation.
+    Rows are the smaller side (the Gram matrix of NS is rows x rows): the reduction axes, or the output
+    axes when the matrix has more inputs than outputs (then NS sees W^T, and f(W^T) = f(W)^T).
     """
 
     batch: tuple[int, ...]
     rows: tuple[int, ...]
     cols: tuple[int, ...]
-    transposed: bool
 
     @property
     def perm(self) -> tuple[int, ...]:
@@ -59,8 +61,8 @@ def matrix_view(shape: Sequence[int], reduction: Sequence[int], output: Sequence
     fan_in = math.prod(shape[d] for d in reduction)
     fan_out = math.prod(shape[d] for d in output)
     if fan_in > fan_out:  # as optax: transpose when rows > cols of the (reduction, output) matrix
-        return MatrixView(batch, tuple(output), tuple(reduction), True)
-    return MatrixView(batch, tuple(reduction), tuple(output), False)
+        return MatrixView(batch, tuple(output), tuple(reduction))
+    return MatrixView(batch, tuple(reduction), tuple(output))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +299,8 @@ def _gather(bucket: _Bucket, blocks: Sequence[jax.Array]) -> tuple[jax.Array, ..
         for _, first, size in bucket.pieces:
             y = x[:, first:first + size].reshape((k * size,) + local_mat)
             for pos, axes in bucket.gathered:
-                y = jax.lax.optimization_barrier(y)  # XLA:CPU rejects all-to-all operands of mixed layouts
+                if jax.default_backend() == "cpu":  # XLA:CPU splits an all-to-all into per-peer operands
+                    y = jax.lax.optimization_barrier(y)  # and rejects them when fusion gave them mixed layouts
                 y = jax.lax.all_to_all(y, axes, 0, 1 + pos, tiled=True)
             out.append(y.reshape(size, m, n))
         return tuple(out)

@@ -145,7 +145,7 @@ def muon(
                 mu_hat.append(hat)
         views = [layout.matrix_view(plan.shapes[i], *plan.axes[i]) for i in ids]
         ortho = layout.orthogonalize([h.astype(ns_dtype or h.dtype) for h in mu_hat], views,
-                                     lambda x: newton_schulz(x, schedule, eps), chunks)
+                                     lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks)
         directions = []
         for i, o, h in zip(ids, ortho, mu_hat):
             reduction, output = plan.axes[i]
