@@ -150,8 +150,10 @@ def muon(
         for i, o, h in zip(ids, ortho, mu_hat):
             reduction, output = plan.axes[i]
             fans = (math.prod(plan.shapes[i][a] for a in reduction), math.prod(plan.shapes[i][a] for a in output))
-            with on_mesh(mesh_of(h)):
-                directions.append(o.astype(h.dtype) * localize(_shape_scale(*fans, consistent_rms), mesh_of(h)))
+            mesh = mesh_of(h)
+            with on_mesh(mesh):
+                rms = None if consistent_rms is None else localize(consistent_rms, mesh)
+                directions.append(o.astype(h.dtype) * _shape_scale(*fans, rms))
         return directions, new_mu
 
     def update_fn(updates, state, params=None):
