@@ -285,29 +285,37 @@ class Trainer:
                 writer.write({"step": 0, **ev})
                 summary["first_eval_loss"] = ev["eval_loss"]
                 progress.write(f"step 0: held-out loss {ev['eval_loss']:.4f}")
-            pending, t_last, step = [], time.perf_counter(), start
+            pending, t_last, timed, step = [], time.perf_counter(), 0, start
             for step in range(start + 1, tc.steps + 1):
                 self.state, m = self.step_fn(self.state, self.next_batch())
                 pending.append((step, m))
+                if step == start + 1:  # compilation: measure throughput from the end of the first step
+                    jax.block_until_ready(m)
+                    summary["first_step_s"] = time.perf_counter() - t_last
+                    t_last, timed = time.perf_counter(), -1
+                timed += 1
                 if step % cfg.checkpoint.every == 0 or step == tc.steps:
                     self.save(step)
                 if step % tc.log_every == 0 or step == tc.steps:
                     host = jax.device_get([m for _, m in pending])
                     now = time.perf_counter()
-                    tps = tokens_per_step * len(pending) / (now - t_last)
+                    # The first step (compilation included) is timed on its own; every other interval
+                    # counts only the steps run since the last sync.
+                    tps = (tokens_per_step * timed / (now - t_last) if timed
+                           else tokens_per_step / summary["first_step_s"])
                     mfu = tps * flops_per_token / peak if peak else None
                     for (s, _), values in zip(pending, host):
                         writer.write({"step": s, **{k: float(v) for k, v in values.items()},
                                       "tokens_per_s": tps, "mfu": mfu, "skipped_records": self.skips.total})
                     progress.update(len(pending), float(host[-1]["loss"]), tps, mfu)
                     summary["last_loss"] = float(host[-1]["loss"])
-                    pending, t_last = [], now
+                    pending, t_last, timed = [], now, 0
                 if self.eval_data is not None and (step % tc.eval_every == 0 or step == tc.steps):
                     ev = self.evaluate()
                     writer.write({"step": step, **ev})
                     summary["last_eval_loss"] = ev["eval_loss"]
                     progress.write(f"step {step}: held-out loss {ev['eval_loss']:.4f}")
-                    t_last = time.perf_counter()
+                    t_last, timed = time.perf_counter(), 0
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
                            skipped_records=dict(self.skips.counts), end_step=step)
         finally:
