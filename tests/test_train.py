@@ -145,3 +145,22 @@ def test_tokenizer_larger_than_the_model_vocab_is_an_error(run, tmp_path):
                                                         f"run_dir={tmp_path / 'r'}"])
     with pytest.raises(DataError, match=rf"tokenizer {path} has 301 ids, more than the model's vocab_size=256"):
         Trainer(cfg)
+
+
+def test_resume_onto_another_mesh_layout(run, tmp_path):
+    """The run's last checkpoint (dense fsdp=4 x cp=2, experts ep=8) restores onto fsdp=8 / ereplica=2 x ep=4."""
+    import shutil
+
+    trainer, _, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(trainer.run_dir / "checkpoints", copy / "checkpoints")
+    overrides = OVERRIDES + [f"data.path={trainer.cfg.data.path}", f"run_dir={copy}", "mesh.fsdp=8", "mesh.cp=1",
+                             "mesh.ereplica=2", "mesh.ep=4", "train.steps=4", "train.grad_accum=1"]
+    moved = Trainer(load_run_config("pretrain-tiny", overrides))
+    assert int(moved.state.step) == 3
+    expert = moved.state.params["moe_layers"]["mlp"]["gate_proj"].get_value()
+    assert dict(expert.sharding.mesh.shape) == {"ereplica": 2, "efsdp": 1, "ep": 4}
+    for name in ("params", "biases", "opt_state"):
+        for a, b in zip(jax.tree.leaves(getattr(moved.state, name)), jax.tree.leaves(getattr(trainer.state, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    moved.ckpt.close()
