@@ -255,3 +255,41 @@ def test_errors_name_the_parameter():
         muon(0.1, ns_coeffs="muon")
     with pytest.raises(ValueError, match="chunks"):
         muon(0.1, chunks=0)
+
+
+def test_model_on_the_dual_mesh():
+    """The tiny model placed by composer_jax.parallel on a DualMesh (dense weights on fsdp, replicated
+    over replica and cp; experts on ep and efsdp), stepped under `with dual:`: optax's updates, each in
+    its parameter's sharding."""
+    from composer_jax.config import MeshConfig
+    from composer_jax.parallel.mesh import DualMesh
+    from composer_jax.parallel.partitioning import shard_model
+
+    model = random_model()
+    values = pure(nnx.state(model, nnx.Param))                   # unsharded copies for the reference
+    rng = np.random.default_rng(2)
+    grads = jax.tree.map(lambda v: jnp.asarray(rng.standard_normal(v.shape), jnp.float32), values)
+    settings = dict(learning_rate=0.02, consistent_rms=0.2, weight_decay=0.1)
+    # The reference runs on the MoE layer stack only (every kind of leaf, on both grids; optax compiles
+    # one NS per leaf, slowly): its updates do not depend on the other leaves.
+    dims = pure(dimension_numbers(nnx.state(model, nnx.Param)))["moe_layers"]
+    ref = optax.contrib.muon(muon_weight_dimension_numbers=dims, **settings)
+    moe = values["moe_layers"]
+    updates_ref, _ = jax.jit(ref.update)(grads["moe_layers"], ref.init(moe), moe)
+
+    dual = DualMesh(MeshConfig(replica=2, fsdp=2, cp=2, efsdp=2, ep=4), model=model.cfg)
+    shard_model(model, dual)
+    params = nnx.state(model, nnx.Param)
+    placed = pure(params)
+    grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, placed)
+    tx = muon(ns_dtype="float32", chunks=1, **settings)
+    state = tx.init(params)
+    with dual:
+        updates, _ = jax.jit(tx.update)(grads, state, placed)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(placed)):
+        assert u.sharding == p.sharding
+    leaves = jax.tree_util.tree_flatten_with_path(updates["moe_layers"])[0]
+    assert {p.sharding.mesh.axis_names for p in jax.tree.leaves(placed["moe_layers"])} == {
+        dual.dense.axis_names, dual.expert.axis_names}
+    for (path, u), u_ref in zip(leaves, jax.tree.leaves(updates_ref)):
+        assert _rel(u, u_ref) <= 1e-5, jax.tree_util.keystr(path)
