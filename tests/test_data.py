@@ -262,7 +262,8 @@ def test_sft_jsonl_pipeline_packs_whole_conversations(tmp_path):
 
 
 def test_python_function_conversations():
-    source = 'import os\n\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n\ndef bare(x):\n    return x\n'
+    source = ('import os\n\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n\n'
+              'def bare(x):\n    return x\n')
     messages = chat.python_function_conversations(source, "calc.py")
     assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert "def add(a, b=1)" in messages[1]["content"] and "Add two numbers." in messages[1]["content"]

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from composer_jax.model.mtp import cross_entropy, mtp_loss, shift_left
+from composer_jax.model.mtp import cross_entropy, mtp_loss
 from composer_jax.train import losses
 from composer_jax.train.config import OptimizerConfig
 from composer_jax.train.optimizer import clip_scale, wsd_schedule

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import yaml
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
