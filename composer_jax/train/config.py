@@ -35,6 +35,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1         # decoupled; matrices only (not norms, embedding rows stay decayed)
     max_grad_norm: float = 1.0        # global-norm clipping; 0 disables
+    ns_dtype: Literal["float32", "bfloat16"] = "float32"   # Muon's Newton-Schulz compute dtype
 
     def __post_init__(self):
         if self.lr <= 0:

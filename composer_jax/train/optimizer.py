@@ -51,7 +51,7 @@ def _muon(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTrans
     try:
         # Muon for the matrices it plans from the params' metadata, AdamW (no decay) for the rest.
         return module.muon(learning_rate=schedule, weight_decay=cfg.weight_decay, eps=cfg.eps,
-                           adam_b1=cfg.b1, adam_b2=cfg.b2)
+                           adam_b1=cfg.b1, adam_b2=cfg.b2, ns_dtype=cfg.ns_dtype)
     except TypeError as e:
         raise ConfigError("optimizer.name", f"composer_jax.optim.muon.muon rejected the arguments: {e}") from None
 
