@@ -129,8 +129,10 @@ class Trainer:
         tc = cfg.train
         self.run_dir = Path(cfg.run_dir)
         self.dual = make_mesh(cfg)
-        # Batches enter replicated: the model places tokens on the dense grid itself (SequenceLayout).
-        self.batch_sharding = self.eval_sharding = NamedSharding(self.dual.dense, P())
+        # Each process feeds its own rows, sharded over the data-parallel axes; the step gathers the
+        # (small, int32) batch whole before the model places tokens on the dense grid itself.
+        self.batch_sharding = NamedSharding(self.dual.dense, P(None, BATCH_AXES))
+        self.eval_sharding = NamedSharding(self.dual.dense, P(BATCH_AXES))
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise DataError(f"tokenizer {self.tokenizer.name} has {self.tokenizer.vocab_size} ids, more than the "
@@ -172,11 +174,11 @@ class Trainer:
     def _initial_state(self) -> step_lib.TrainState:
         latest = self.ckpt.latest_step()
         if latest is not None:
-            restored = self.ckpt.restore(latest, _split_items(self.abstract))
-            saved_model = restored["config"].get("model", {})
-            if _model_shape_fields(saved_model) != _model_shape_fields(to_dict(self.cfg)["model"]):
+            saved = self.ckpt.restore(latest, {}, json_items=("config",))["config"].get("model", {})
+            if _model_shape_fields(saved) != _model_shape_fields(to_dict(self.cfg)["model"]):
                 raise ConfigError("model", f"differs from the model of the checkpoints in {self.ckpt.directory}; "
                                            "use another run_dir")
+            restored = self.ckpt.restore(latest, _split_items(self.abstract))
             self.iterator.set_state(restored["data"])
             log.info("resumed from %s step %d", self.ckpt.directory, latest)
             return _join_items(restored)

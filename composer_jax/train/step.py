@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.model import CausalLM
 from composer_jax.model.layers import RouterBias, weight
@@ -108,6 +109,18 @@ def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, dis
     return sums, loads
 
 
+def gather_batch(batch: Batch) -> Batch:
+    """The batch whole on every device (it arrives sharded by process over the data axes); the model
+    then places tokens on the dense grid itself."""
+    def whole(x):
+        sharding = jax.typeof(x).sharding
+        if sharding.mesh.empty or all(a is None for a in sharding.spec):
+            return x
+        return jax.sharding.reshard(x, P())
+
+    return jax.tree.map(whole, batch)
+
+
 def _type_sharding(s: jax.ShapeDtypeStruct):
     """The sharding of an abstract value as the type system sees it (None when not on a mesh)."""
     sharding = getattr(s, "sharding", None)
@@ -140,6 +153,7 @@ def make_train_step(cfg: RunConfig, graphdef, rest, opt: Optimizer,
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):
+        batch = gather_batch(batch)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
 
         def micro(acc, mb):
@@ -188,6 +202,7 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
     depths = cfg.model.mtp.num_layers
 
     def eval_step(state: TrainState, batch: Batch) -> dict:
+        batch = gather_batch(batch)
         sums, _ = _forward_sums(cfg, graphdef, rest, state.params, state.biases, batch, distill=False)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
         out = {"ce": sums.ce, "targets": n_main}
