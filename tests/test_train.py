@@ -19,6 +19,9 @@ from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.train.config import load_run_config
 from composer_jax.train.loop import Trainer
 
+# The module shares one training run (compiling init, step and eval: ~60 s on 2 cores), so it is slow.
+pytestmark = pytest.mark.slow
+
 OVERRIDES = ["train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.log_every=1",
              "train.eval_every=3", "train.eval_batches=1", "train.progress=false", "data.eval_fraction=0.3",
              "checkpoint.every=2", "mesh.fsdp=4", "mesh.cp=2"]
@@ -164,3 +167,23 @@ def test_resume_onto_another_mesh_layout(run, tmp_path):
         for a, b in zip(jax.tree.leaves(getattr(moved.state, name)), jax.tree.leaves(getattr(trainer.state, name))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     moved.ckpt.close()
+
+
+def test_remat_step_matches_the_plain_step(run):
+    """train.remat=full recomputes the forward in the backward: same loss, gradients and update."""
+    import dataclasses
+
+    from composer_jax.train import step as step_lib
+
+    trainer, _, _ = run
+    cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, remat="full"))
+    remat_step = jax.jit(step_lib.make_train_step(cfg, trainer.graphdef, trainer.rest, trainer.opt, trainer.grids))
+    trainer.iterator = iter(trainer.train_data)
+    with trainer.dual:
+        batch = trainer.next_batch()
+        plain_state, plain = trainer.step_fn(jax.tree.map(jnp.copy, trainer.state), batch)
+        remat_state, remat = remat_step(jax.tree.map(jnp.copy, trainer.state), batch)
+    for key in ("loss", "ce", "mtp1_ce", "mtp1_kl", "grad_norm"):
+        np.testing.assert_allclose(float(remat[key]), float(plain[key]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(remat_state.params), jax.tree.leaves(plain_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
