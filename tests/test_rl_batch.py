@@ -109,9 +109,7 @@ def test_missing_reference_logprobs():
 
 def test_rejected_before_compilation():
     """RLStep validates on the host first: a bad batch never reaches tracing or compilation."""
-    cfg = load_config("tiny")
-    graphdef = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)[0]
-    rl_step = RLStep(cfg, RLConfig(group_size=G), graphdef)
+    rl_step = RLStep(nnx.eval_shape(lambda: CausalLM(load_config("tiny"), rngs=nnx.Rngs(0))), RLConfig(group_size=G))
     with pytest.raises(BatchError, match="rewards"):
         rl_step(None, BAD["NaN reward"][1](_batch()))
     assert rl_step.jitted._cache_size() == 0

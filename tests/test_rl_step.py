@@ -1,6 +1,8 @@
 """The fused RL step on the tiny model: prefix teacher == naive teacher, empty hint => no distillation,
 fused gradient == sum of separately computed terms' gradients, on-policy weights, donation, Muon."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +10,10 @@ import pytest
 from flax import nnx
 
 from composer_jax import CausalLM, load_config
-from composer_jax.rl import RLConfig, RLStep, init_state, loss_and_grads, make_optimizer, synthetic_batch
-from composer_jax.rl import losses
+from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
+from composer_jax.rl.config import rl_optimizer
 from composer_jax.rl.step import feedback_rows, loss_terms, teacher_predictions
+from composer_jax.train.step import split_model
 
 G = 2
 
@@ -23,10 +26,6 @@ def model():
 def _batch(seed=0, hint_len=3, **kw):
     return synthetic_batch(seed, batch=4, seq=32, vocab_size=256, group_size=G, slots=2, window=12,
                            hint_len=hint_len, **kw)
-
-
-def _split(model, cfg):
-    return init_state(model, make_optimizer(cfg))
 
 
 def _rel(a, b):
@@ -56,24 +55,24 @@ def test_self_distillation_vanishes_with_an_empty_hint(model):
     """With an empty hint the teacher sees the student's own context: the distillation loss and its
     gradient vanish (to float32 rounding: the prefix path sums attention in another order)."""
     cfg = RLConfig(group_size=G)
-    graphdef, state = _split(model, cfg)
+    graphdef, params, biases, rest = split_model(model)
 
     @jax.jit
     def sd(params, batch):
         def f(p):
-            terms, _ = loss_terms(nnx.merge(graphdef, p, state.frozen),
-                                  nnx.merge(graphdef, jax.lax.stop_gradient(p), state.frozen), batch, cfg)
+            terms, _ = loss_terms(nnx.merge(graphdef, p, biases, rest),
+                                  nnx.merge(graphdef, jax.lax.stop_gradient(p), biases, rest), batch, cfg)
             return terms["sd"]
         value, grads = jax.value_and_grad(f)(params)
         return value, jnp.max(jnp.stack([jnp.abs(g).max() for g in jax.tree.leaves(grads)]))
 
-    empty_value, empty_grad = map(float, sd(state.params, _batch(hint_len=0)))
-    value, grad = map(float, sd(state.params, _batch(hint_len=3)))
+    empty_value, empty_grad = map(float, sd(params, _batch(hint_len=0)))
+    value, grad = map(float, sd(params, _batch(hint_len=3)))
     assert value > 1e-3 and grad > 1e-3
     assert abs(empty_value) <= 1e-5 * value and empty_grad <= 1e-5 * grad
 
 
-def _reference_terms(graphdef, frozen, batch, cfg):
+def _reference_terms(graphdef, biases, rest, batch, cfg):
     """Each term computed on its own, the plain way: full logits and, for the teacher, one numpy-built
     sequence [row before the turn + hint + turn] per used feedback slot."""
     tokens = np.asarray(batch.tokens)
@@ -90,7 +89,7 @@ def _reference_terms(graphdef, frozen, batch, cfg):
     width = max(len(c[2]) for c in contexts)
 
     def student(params):
-        model = nnx.merge(graphdef, params, frozen)
+        model = nnx.merge(graphdef, params, biases, rest)
         logits = model(jnp.asarray(tokens), jnp.asarray(batch.segment_ids), jnp.asarray(batch.positions))
         logp = jnp.pad(losses.token_logprobs(logits[:, :-1], jnp.asarray(tokens[:, 1:])), ((0, 0), (1, 0)))
         return logits, logp, jnp.pad(losses.token_entropy(logits[:, :-1]), ((0, 0), (1, 0)))
@@ -116,7 +115,7 @@ def _reference_terms(graphdef, frozen, batch, cfg):
 
     def sd(params):
         logits, _, _ = student(params)
-        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(params), frozen)
+        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(params), biases, rest)
         t_logits = teacher(jnp.asarray(padded))
         total = 0.0
         for i, (row, start, _, turn, pos) in enumerate(contexts):   # window slot j sits at column start + j
@@ -133,11 +132,14 @@ def test_fused_gradient_equals_sum_of_separate_terms(model):
     stale = np.random.default_rng(2).random(batch.tokens.shape) < 0.3
     batch = batch._replace(behaviour_logprobs=np.where(batch.generated, np.where(stale, -7.0, -5.0), 0.0)
                            .astype(np.float32))
+    # loss_chunk=8: the step's logits come in chunks of 8 positions (31 = 3 x 8 + 7), the reference's whole.
     cfg = RLConfig(group_size=G, kl_coef=0.2, kl_estimator="k2_loss", entropy_coef=0.05, sd_coef=0.5,
-                   is_cap=1.5)
-    graphdef, state = _split(model, cfg)
-    (loss, metrics), fused = jax.jit(lambda st, b: loss_and_grads(graphdef, st, b, cfg))(state, batch)
-    terms = _reference_terms(graphdef, state.frozen, batch, cfg)
+                   is_cap=1.5, loss_chunk=8)
+    rl_step = RLStep(model, cfg)
+    state = rl_step.init_state(model)
+    (loss, metrics), fused = jax.jit(lambda st, b: loss_and_grads(rl_step.graphdef, rl_step.rest, st, b, cfg))(
+        state, batch)
+    terms = _reference_terms(rl_step.graphdef, state.biases, rl_step.rest, batch, cfg)
     separate = jax.jit(lambda p: {k: jax.value_and_grad(f)(p) for k, f in terms.items()})(state.params)
     for name, (value, _) in separate.items():
         assert abs(float(metrics[f"loss_{name}"]) - float(value)) <= 1e-5 * abs(float(value)), name
@@ -162,10 +164,9 @@ def _on_policy(model, batch):
 
 
 def _run_step(model, cfg, batch):
-    graphdef, state = _split(model, cfg)
-    state = jax.tree.map(jnp.copy, state)     # the step donates its state: keep the fixture's arrays
-    before = jax.tree.map(lambda x: np.array(x, copy=True), state.params)   # no view may pin a donated buffer
-    rl_step = RLStep(model.cfg, cfg, graphdef)
+    rl_step = RLStep(model, cfg)
+    state = jax.tree.map(jnp.copy, rl_step.init_state(model))   # the step donates its state: keep the fixture's
+    before = jax.tree.map(lambda x: np.array(x, copy=True), state.params)   # no numpy view may pin a donated buffer
     new_state, metrics = rl_step(state, batch)
     return state, before, new_state, jax.tree.map(float, metrics)
 
@@ -173,22 +174,25 @@ def _run_step(model, cfg, batch):
 def test_step_on_policy_adam(model):
     """One jitted, donated step with Adam: importance weights are exactly 1 on-policy, every metric is
     finite, the state advances and the old buffers are donated."""
-    cfg = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, learning_rate=1e-3)
+    cfg = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, optimizer=replace(rl_optimizer(), lr=1e-3))
     state, before, new_state, metrics = _run_step(model, cfg, _on_policy(model, _batch(with_ref=True)))
     assert abs(metrics["is_weight_mean"] - 1) <= 1e-5 and abs(metrics["is_weight_max"] - 1) <= 1e-5
     assert metrics["is_clip_frac"] == 0 and metrics["behaviour_kl_k3"] <= 1e-6
-    assert {"loss", "loss_pg", "loss_sd", "kl_k1", "kl_k3", "entropy", "grad_norm", "tokens", "sd_tokens"} <= set(metrics)
+    expected = {"loss", "loss_pg", "loss_sd", "kl_k1", "kl_k3", "entropy", "grad_norm", "tokens", "sd_tokens"}
+    assert expected <= set(metrics)
     assert all(np.isfinite(v) for v in metrics.values())
     assert int(new_state.step) == 1
-    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before))]
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before),
+                                                             strict=True)]
     assert max(moved) == pytest.approx(1e-3, rel=1e-2)     # Adam's first step moves by ~lr
     assert jax.tree.leaves(state.params)[0].is_deleted()     # donated
 
 
 @pytest.mark.slow
 def test_step_with_muon(model):
-    cfg = RLConfig(group_size=G, optimizer="muon", learning_rate=1e-3)
+    cfg = RLConfig(group_size=G, optimizer=replace(rl_optimizer(), name="muon", lr=1e-3))
     _, before, new_state, metrics = _run_step(model, cfg, _batch())
     assert np.isfinite(metrics["loss"])
-    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before))]
+    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before),
+                                                             strict=True)]
     assert 0 < max(moved) < 1

@@ -143,9 +143,9 @@ def validate_batch(batch: RolloutBatch, *, group_size: int, vocab_size: int, nee
     if (~real[:, 0]).any() or (real[:, 1:] & ~real[:, :-1]).any():
         raise BatchError("segment_ids", "each row must be one trajectory starting at slot 0: ids > 0, then only "
                                         "0 (right padding)")
-    row_id = segments[:, :1]
-    if (real & (segments != row_id)).any():
-        raise BatchError("segment_ids", f"one trajectory per row: a second id {_first_bad(real & (segments != row_id))}")
+    second = real & (segments != segments[:, :1])
+    if second.any():
+        raise BatchError("segment_ids", f"one trajectory per row: a second id {_first_bad(second)}")
     if generated[:, 0].any():
         raise BatchError("generated", "slot 0 cannot be generated (it has no context to score it from)")
     if (generated & ~real).any():
@@ -223,7 +223,7 @@ def synthetic_batch(seed: int, *, batch: int, seq: int, vocab_size: int, group_s
             pos, model_turn = pos + span, not model_turn
     tokens[segments == 0] = 0
     positions = np.where(segments > 0, np.arange(seq)[None], 0).astype(np.int32)
-    logp = lambda: np.where(generated, -rng.exponential(1.0, (batch, seq)), 0.0).astype(np.float32)  # noqa: E731
+    logp = lambda: np.where(generated, -rng.exponential(1.0, (batch, seq)), 0.0).astype(np.float32)
     out = RolloutBatch(tokens, positions, segments, generated, logp(),
                        rng.integers(0, 2, batch).astype(np.float32), (np.arange(batch) // group_size).astype(np.int32),
                        logp() if with_ref else None)
