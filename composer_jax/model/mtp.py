@@ -45,7 +45,7 @@ class MTPDepth(nnx.Module):
 
 def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
     """x[:, i] <- x[:, i + k], padding the last k columns with `fill`. x: [batch, seq]."""
-    pad = jnp.full((x.shape[0], k), fill, x.dtype)
+    pad = jnp.full_like(x[:, :1], fill).repeat(k, axis=1)  # sharded like x's batch (Explicit axes)
     return jnp.concatenate([x[:, k:], pad], axis=1)[:, : x.shape[1]]
 
 
