@@ -19,6 +19,10 @@ the update after the gradient is pretraining's too: global-norm clipping over bo
 guard, the optimizer per mesh group of the dual grid. `RLStep(...)(state, batch)` validates the batch
 on the host (BatchError names the field) before the jitted step is traced or run; nothing inside the
 step syncs with the host.
+
+Known gap: under a DualMesh the prefix teacher needs `CausalLM.forward(prefix=...)` to lay its prefix
+mask out like its own attention mask (tests/test_rl_sharded.py is an expected failure until then);
+`teacher_context="full"` runs sharded today.
 """
 
 from __future__ import annotations
