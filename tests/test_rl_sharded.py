@@ -59,9 +59,6 @@ def _worst(ours, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="needs the model fix: CausalLM.forward(prefix=...) concatenates a replicated "
-                                       "prefix mask with the mesh-laid-out attention mask (ShardingTypeError under "
-                                       "any DualMesh); passes with the one-line reshard described in the RL report")
 def test_sharded_rl_step_equals_single_device():
     """Dense (replica=2, fsdp=4) x expert (ereplica=2, ep=4) with the all-to-all expert dispatch,
     against one device with ragged dispatch: every metric, the gradients, and the clipped gradient the

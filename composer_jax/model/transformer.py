@@ -127,6 +127,8 @@ class CausalLM(nnx.Module):
         if prefix is not None:
             self._check_prefix(prefix, tokens.shape[0], layout, with_mtp)
             visible = jnp.broadcast_to(prefix.valid[:, None, :], mask.shape[:2] + prefix.valid.shape[1:])
+            if not jax.typeof(mask).sharding.mesh.empty:  # lay the prefix columns out like the mask
+                visible = jax.sharding.reshard(visible, jax.typeof(mask).sharding.spec)
             mask = jnp.concatenate([visible, mask], axis=-1)
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, layout.place(positions))
         h = self.embed(layout.place(tokens))
