@@ -144,7 +144,11 @@ def muon(
                 new_mu.append(m.astype(mu_dtype or m.dtype))
                 mu_hat.append(hat)
         views = [layout.matrix_view(plan.shapes[i], *plan.axes[i]) for i in ids]
-        ortho = layout.orthogonalize([h.astype(ns_dtype or h.dtype) for h in mu_hat], views,
+        ns_inputs = []
+        for h in mu_hat:
+            with on_mesh(mesh_of(h)):  # the cast is an op on the leaf's own grid
+                ns_inputs.append(h.astype(ns_dtype or h.dtype))
+        ortho = layout.orthogonalize(ns_inputs, views,
                                      lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks)
         directions = []
         for i, o, h in zip(ids, ortho, mu_hat):
