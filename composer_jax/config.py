@@ -327,15 +327,21 @@ def resolve_config_path(path_or_name: str | Path, kind: str = "model") -> Path:
                             f"(bundled: {', '.join(names)})")
 
 
-def load_config(path_or_name: str | Path, overrides=(), cls: type = ModelConfig):
-    """Read a YAML config, apply overrides, and return the validated, frozen `cls` instance."""
-    path = resolve_config_path(path_or_name)
+def read_yaml(path: Path) -> dict:
+    """A YAML file's top-level mapping, or a ConfigError naming the file."""
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: malformed YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(path_or_name: str | Path, overrides=(), cls: type = ModelConfig):
+    """Read a YAML config, apply overrides, and return the validated, frozen `cls` instance."""
+    path = resolve_config_path(path_or_name)
+    data = read_yaml(path)
     try:
         return from_dict(cls, apply_overrides(cls, data, overrides))
     except ConfigError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -54,6 +55,6 @@ def save_random_hf_model(cfg: ModelConfig, path: Path, seed: int = 0) -> Deepsee
     return model
 
 
-def hf_logits(model: DeepseekV3ForCausalLM, tokens) -> "numpy.ndarray":  # noqa: F821
+def hf_logits(model: DeepseekV3ForCausalLM, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()

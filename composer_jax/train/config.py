@@ -13,10 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, from_dict, parse_override,
-                                 resolve_config_path)
+                                 read_yaml, resolve_config_path)
 from composer_jax.data.config import DataConfig
 
 
@@ -116,20 +114,10 @@ def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _read_yaml(path: Path) -> dict:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError("", f"{path}: malformed YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("", f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
 def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
     """Read a run YAML (a path or a name under configs/), inline its model, apply overrides, validate."""
     path = resolve_config_path(path_or_name, kind="")
-    data = _read_yaml(path)
+    data = read_yaml(path)
     # Dotted top-level keys in the YAML (`model.rope.factor: 8`) act as overrides, before the CLI's.
     in_file = [(k, data.pop(k)) for k in [k for k in data if isinstance(k, str) and "." in k]]
     overrides = in_file + [parse_override(o) if isinstance(o, str) else o for o in overrides]
@@ -140,7 +128,7 @@ def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
         raise ConfigError("model", f"required key is missing (in {path})")
     if isinstance(data["model"], str):
         try:
-            data["model"] = _read_yaml(resolve_config_path(data["model"], kind="model"))
+            data["model"] = read_yaml(resolve_config_path(data["model"], kind="model"))
         except FileNotFoundError as e:
             raise ConfigError("model", str(e)) from None
     try:
