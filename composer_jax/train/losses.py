@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from composer_jax.model.attention import gather_sequence
 from composer_jax.model.mtp import mtp_target_mask, shift_left
 
 
@@ -43,17 +43,6 @@ def target_weights(tokens, segment_ids, loss_mask, offset: int) -> tuple[jax.Arr
 def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
     """h[:, i] <- h[:, i + k], zero-padded. h: [batch, seq, embed]."""
     return jnp.concatenate([h[:, k:], jnp.zeros_like(h[:, :k])], axis=1)[:, : h.shape[1]]
-
-
-def unshard_seq(x: jax.Array, axis: int = 1) -> jax.Array:
-    """x with dimension `axis` (the sequence) gathered whole: a no-op unless it is sharded (context
-    parallelism). Shifting targets along the sequence and chunking it need whole sequences."""
-    sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty or len(sharding.spec) <= axis or sharding.spec[axis] is None:
-        return x
-    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    spec[axis] = None
-    return jax.sharding.reshard(x, P(*spec))
 
 
 def _chunk_sums(head, h, labels, weights, teacher):
@@ -128,8 +117,8 @@ def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, ch
     hidden: [batch, seq, embed] (main model, after the final norm); mtp_hidden: [depths, batch, seq,
     embed] or None; head: [embed, vocab] (whole); tokens, segment_ids, loss_mask: int[batch, seq].
     """
-    hidden = unshard_seq(hidden)
-    mtp_hidden = None if mtp_hidden is None else unshard_seq(mtp_hidden, axis=2)
+    hidden = gather_sequence(hidden)
+    mtp_hidden = None if mtp_hidden is None else gather_sequence(mtp_hidden, axis=2)
     labels, weights = target_weights(tokens, segment_ids, loss_mask, 1)
     ce = head_loss_sums(hidden, head, labels, weights, chunk=chunk)[0]
     mtp_ce, mtp_kl = [], []
