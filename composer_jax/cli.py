@@ -167,22 +167,30 @@ def _run_convert(args) -> int:
     return 0
 
 
-def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face checkpoint -> orbax (bf16/fp16/fp32, FP8 blocks, K2.5 INT4)",
-                       description="Stream a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory into a converted "
-                                   "model directory DST (orbax params, model_config.yaml), dequantizing as it goes. "
-                                   "Resumable: re-run the same command after an interruption.")
-    p.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
+def _streaming_command(sub, name: str, help_text: str, description: str, src_help: str,
+                       overrides_help: str) -> argparse.ArgumentParser:
+    """A `name SRC DST [key=value ...]` subcommand with the streaming-job options."""
+    p = sub.add_parser(name, help=help_text, description=description)
+    p.add_argument("src", help=src_help)
     p.add_argument("dst", help="output directory (written as DST.partial, renamed when complete)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="model config overrides, e.g. param_dtype=float32 or mtp.num_layers=0")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+    _stream_args(p)
+    return p
+
+
+def _add_convert(sub) -> None:
+    p = _streaming_command(
+        sub, "convert", "Hugging Face checkpoint -> orbax (bf16/fp16/fp32, FP8 blocks, K2.5 INT4)",
+        "Stream a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory into a converted model directory DST (orbax "
+        "params, model_config.yaml), dequantizing as it goes. Resumable: re-run the same command after an "
+        "interruption.", "Hugging Face model directory (config.json + *.safetensors)",
+        "model config overrides, e.g. param_dtype=float32 or mtp.num_layers=0")
     p.add_argument("--devices", type=_positive_int, default=None,
                    help="chunk for a target mesh of this many devices (with --mesh)")
     p.add_argument("--mesh", default=None, metavar="AXIS=SIZE,...",
                    help="target mesh axis sizes, e.g. fsdp=8,ep=64 (MeshConfig fields; default: fsdp and ep fill)")
     p.add_argument("--compress", action="store_true", help="zstd-compress chunks (slower, ~10%% smaller for bf16)")
     p.add_argument("--allow-extra", action="store_true", help="warn about unexpected tensors instead of failing")
-    _stream_args(p)
     p.set_defaults(run=_run_convert)
 
 
@@ -204,19 +212,17 @@ def _run_export(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="orbax checkpoint -> Hugging Face directory (transformers-loadable)",
-                       description="Stream a converted model directory, a training checkpoint step (RUN/checkpoints/"
-                                   "STEP) or an orbax params checkpoint (with --config) into a Hugging Face "
-                                   "directory: config.json, sharded safetensors and index.")
-    p.add_argument("src", help="directory written by convert, a training checkpoint step, or an orbax checkpoint")
-    p.add_argument("dst", help="output directory (written as DST.partial, renamed when complete)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of the --config model config")
+    p = _streaming_command(
+        sub, "export", "orbax checkpoint -> Hugging Face directory (transformers-loadable)",
+        "Stream a converted model directory, a training checkpoint step (RUN/checkpoints/STEP) or an orbax params "
+        "checkpoint (with --config) into a Hugging Face directory: config.json, sharded safetensors and index.",
+        "directory written by convert, a training checkpoint step, or an orbax checkpoint",
+        "overrides of the --config model config")
     p.add_argument("--config", default=None,
                    help="model config (default: SRC/model_config.yaml, or the training step's run config)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: each parameter's dtype; the router bias stays float32)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size in GiB (default 5)")
-    _stream_args(p)
     p.set_defaults(run=_run_export)
 
 

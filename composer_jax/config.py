@@ -219,10 +219,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}{hint}")
         return value
-    if tp is bool:
-        if isinstance(value, bool):
+    if tp in (bool, str):
+        if isinstance(value, tp):
             return value
-        raise ConfigError(key, f"expected a bool (true/false), got {value!r}")
+        raise ConfigError(key, f"expected {'a bool (true/false)' if tp is bool else 'a string'}, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -242,10 +242,6 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not math.isfinite(out):
             raise ConfigError(key, f"must be finite, got {value!r}")
         return out
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(key, f"expected a string, got {value!r}")
     raise TypeError(f"unsupported config field type {tp!r} for '{key}'")
 
 

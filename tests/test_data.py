@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from composer_jax.config import ConfigError
-from composer_jax.data import chat
+from composer_jax.data import chat, code_conversations
 from composer_jax.data.config import DataConfig
 from composer_jax.data.errors import DataError
 from composer_jax.data.pipeline import build_dataset
@@ -264,8 +264,8 @@ def test_sft_jsonl_pipeline_packs_whole_conversations(tmp_path):
 def test_python_function_conversations():
     source = ('import os\n\ndef add(a, b=1):\n    """Add two numbers."""\n    return a + b\n\n'
               'def bare(x):\n    return x\n')
-    messages = chat.python_function_conversations(source, "calc.py")
+    messages = code_conversations.python_function_conversations(source, "calc.py")
     assert [m["role"] for m in messages] == ["system", "user", "assistant"]
     assert "def add(a, b=1)" in messages[1]["content"] and "Add two numbers." in messages[1]["content"]
     assert messages[2]["content"].startswith("def add(a, b=1):") and messages[2]["content"].endswith("return a + b")
-    assert chat.python_function_conversations("x = (", "broken.py") is None
+    assert code_conversations.python_function_conversations("x = (", "broken.py") is None

@@ -13,8 +13,9 @@ from safetensors.torch import save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
 from composer_jax import config, from_pretrained, load_config
-from composer_jax.model.mtp import mtp_loss, mtp_target_mask
+from composer_jax.train.losses import mtp_target_mask
 from tests.hf_reference import save_random_hf_model
+from tests.reference_losses import mtp_loss
 
 
 def _randomize(module):

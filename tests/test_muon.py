@@ -16,8 +16,8 @@ from optax.contrib import MuonDimensionNumbers as MDN
 from composer_jax import CausalLM, load_config
 from composer_jax.model.layers import RMSNorm, RouterBias, param
 from composer_jax.optim import dimension_numbers, muon
-from composer_jax.optim.plan import pure
 from composer_jax.optim.newton_schulz import ns_flops
+from composer_jax.optim.plan import pure
 
 # name: (shape, dimension numbers, dense-grid spec or expert-grid spec)
 LEAVES = {
@@ -74,7 +74,8 @@ def _compare(settings, sharded: bool, steps=2, context=contextlib.nullcontext, i
     """Run ours (optionally on the dual grid, its steps under `context()`, its numeric settings as
     injected hyperparameters) and optax side by side; return ours' last params and state."""
     factory = optax.inject_hyperparams(muon) if inject else muon
-    ours = factory(ns_dtype="float32", muon_weight_dimension_numbers=DIMS, **settings)
+    meshes = tuple(_meshes().values()) if sharded else ()
+    ours = factory(ns_dtype="float32", muon_weight_dimension_numbers=DIMS, meshes=meshes, **settings)
     # Injected hyperparameters are float32 arrays rather than Python floats: rounding differs.
     tolerance = 3e-5 if inject else 1e-5
     ref = optax.contrib.muon(muon_weight_dimension_numbers=DIMS, **settings)
@@ -114,12 +115,20 @@ def test_matches_optax_on_dual_grid(consistent_rms):
     context = (lambda: jax.set_mesh(dense)) if consistent_rms else contextlib.nullcontext
     params, state = _compare(settings, sharded=True, context=context, inject=consistent_rms is not None)
     state = state.inner_state if consistent_rms is not None else state
-    (adam,) = state.adam                     # all AdamW leaves are on the dense grid: one group
-    adam_mu, adam_nu = adam.inner_state[0].mu, adam.inner_state[0].nu
     for k, (_, dims, _) in LEAVES.items():
-        moments = [state.mu[k]] if dims is not None else [adam_mu[k], adam_nu[k]]
-        for moment in moments:
-            assert jax.typeof(moment).sharding == jax.typeof(params[k]).sharding, k
+        if dims is not None:
+            assert jax.typeof(state.mu[k]).sharding == jax.typeof(params[k]).sharding, k
+    # AdamW runs once per mesh; its moments (over that mesh's leaves) are sharded like their params.
+    groups, checked = state.adam.groups, []
+    for members, inner in zip(groups.members, state.adam.inner):
+        adam = inner.inner_state[0]
+        for i, mu, nu in zip(members, adam.mu, adam.nu):
+            k = groups.paths[i]
+            if LEAVES[k][1] is None:
+                checked.append(k)
+                for moment in (mu, nu):
+                    assert jax.typeof(moment).sharding == jax.typeof(params[k]).sharding, k
+    assert sorted(checked) == ["embed", "norm"]
 
 
 def test_model_metadata():
@@ -220,7 +229,8 @@ def test_ns_flops_per_device_on_sharded_layout():
     dims = {k: d for k, (_, d, _, _) in leaves.items()}
 
     def flops(steps):
-        tx = muon(0.1, ns_steps=steps, ns_dtype="float32", muon_weight_dimension_numbers=dims)
+        tx = muon(0.1, ns_steps=steps, ns_dtype="float32", muon_weight_dimension_numbers=dims,
+                  meshes=tuple(meshes.values()))
         state = tx.init(params)
         compiled = jax.jit(tx.update).lower(params, state, params).compile()
         return compiled.cost_analysis()["flops"]
@@ -255,6 +265,12 @@ def test_errors_name_the_parameter():
         muon(0.1, ns_coeffs="muon")
     with pytest.raises(ValueError, match="chunks"):
         muon(0.1, chunks=0)
+    # Matrices on two meshes need the concrete meshes: JAX offers no public way to find them under a
+    # trace, and a shard_map over an abstract mesh under another context mesh lowers wrong collectives.
+    with pytest.raises(ValueError, match="'down' lives on .* pass the concrete meshes"):
+        muon(0.1, muon_weight_dimension_numbers=DIMS).init(_shard(_values(0)))
+    with pytest.raises(ValueError, match="'down' lives on .* pass the concrete meshes"):
+        muon(0.1, muon_weight_dimension_numbers=DIMS, meshes=(_meshes()["dense"],)).init(_shard(_values(0)))
 
 
 def test_model_on_the_dual_mesh():
@@ -282,7 +298,7 @@ def test_model_on_the_dual_mesh():
     params = nnx.state(model, nnx.Param)
     placed = pure(params)
     grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, placed)
-    tx = muon(ns_dtype="float32", chunks=1, **settings)
+    tx = muon(ns_dtype="float32", chunks=1, meshes=dual.meshes, **settings)
     state = tx.init(params)
     with dual:
         updates, _ = jax.jit(tx.update)(grads, state, placed)
@@ -295,7 +311,7 @@ def test_model_on_the_dual_mesh():
         assert _rel(u, u_ref) <= 1e-5, jax.tree_util.keystr(path)
     # bf16 Newton-Schulz (the default) runs on both grids. Jordan's quintic only lands singular values in
     # a band ([0.68, 1.14]), so bf16 rounding moves the result within it: ~6% here, not float32-close.
-    tx16 = muon(ns_dtype="bfloat16", chunks=1, **settings)
+    tx16 = muon(ns_dtype="bfloat16", chunks=1, meshes=dual.meshes, **settings)
     with dual:
         updates16, _ = jax.jit(tx16.update)(grads, tx16.init(params), placed)
     for u16, u in zip(jax.tree.leaves(updates16), jax.tree.leaves(updates)):

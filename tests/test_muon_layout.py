@@ -51,7 +51,8 @@ def _run(cases, chunks, dtype=jnp.float32):
         calls.append(tuple(x.shape))
         return _per_matrix(x)
 
-    fn = jax.jit(lambda xs: orthogonalize(xs, views, ns, chunks))
+    meshes = tuple({case[1] for case in cases if case[1] is not None})
+    fn = jax.jit(lambda xs: orthogonalize(xs, views, ns, chunks, meshes))
     lowered = fn.lower(xs)
     return fn(xs), xs, calls, lowered.compile().as_text(), lowered.as_text()
 

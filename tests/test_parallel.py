@@ -18,9 +18,10 @@ from composer_jax import CausalLM, load_config
 from composer_jax.config import ConfigError, MeshConfig
 from composer_jax.model import dispatch
 from composer_jax.model.expert_parallel import sharded_dispatch
-from composer_jax.parallel import DualMesh, param_shardings
+from composer_jax.parallel import DualMesh, param_shardings, state_shardings
+from composer_jax.parallel.leafwise import per_mesh
 from composer_jax.parallel.mesh import DENSE_TOKEN_AXES, resolve_sizes
-from composer_jax.parallel.partitioning import like_params, sharding_dump
+from composer_jax.parallel.partitioning import sharding_dump
 
 GOLDEN = Path(__file__).parent / "golden"
 COLLECTIVES = re.compile(r"\b(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)[-.(\s]")
@@ -73,8 +74,10 @@ def test_large_leaves_are_split_evenly_params_and_optimizer_state():
     dual = DualMesh(MeshConfig(replica=2, fsdp=4, cp=1, ereplica=1, ep=8), model=cfg)
     state = nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)
     shardings = param_shardings(state, dual)
-    opt_state = jax.eval_shape(optax.adamw(1e-3).init, nnx.to_pure_dict(state))
-    opt_shardings = like_params(opt_state, state, shardings, dual)
+    placed = jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                          nnx.to_pure_dict(state), nnx.to_pure_dict(shardings))
+    opt_state = jax.eval_shape(per_mesh(lambda mesh, members: optax.adamw(1e-3)).init, placed)
+    opt_shardings = state_shardings(opt_state, dual)
     pairs = [(v.get_value(), s.get_value()) for (_, v), (_, s)
              in zip(nnx.to_flat_state(state), nnx.to_flat_state(shardings))]
     pairs += list(zip(jax.tree.leaves(opt_state), jax.tree.leaves(opt_shardings)))
@@ -226,3 +229,27 @@ def test_ep_ragged_exchange_logic_with_emulated_collective(monkeypatch):
         y, _, dropped = _run_sharded("ep_ragged", 0.0, mesh_cfg, case)
         assert dropped == 0
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_model_traces_are_keyed_on_the_layout():
+    """The same parameters under two DualMeshes with one dense mesh and different expert layouts: one
+    `nnx.jit` traces once per layout (the layout is static model data, not a context read at trace
+    time, which jit would not see), and both equal the unsharded model."""
+    cfg = load_config("tiny", ["moe.dispatch=ep_a2a", "mtp.num_layers=0"])
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
+    expected = np.asarray(CausalLM(load_config("tiny", ["mtp.num_layers=0"]), rngs=nnx.Rngs(0))(tokens))
+    traces = []
+
+    @nnx.jit
+    def logits(model, tokens):
+        traces.append(model.mesh)
+        return model(tokens)
+
+    for expert_layout in (dict(ereplica=1, ep=8), dict(ereplica=2, ep=4)):
+        dual = DualMesh(MeshConfig(replica=1, fsdp=8, cp=1, **expert_layout), model=cfg)
+        model = CausalLM(cfg, rngs=nnx.Rngs(0), mesh=dual)  # same (unplaced) inputs for both layouts
+        with dual:
+            np.testing.assert_allclose(np.asarray(logits(model, tokens)), expected, rtol=2e-5, atol=2e-5)
+    assert [t.sizes["ep"] for t in traces] == [8, 4]
+    # Equal layouts built twice compare equal, so they share one trace.
+    assert DualMesh(MeshConfig(fsdp=8, ep=8)) == DualMesh(MeshConfig(fsdp=8, ep=8))

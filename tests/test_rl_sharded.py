@@ -13,7 +13,6 @@ from composer_jax.config import MeshConfig
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
-from composer_jax.train.grids import GROUPS
 
 G = 2
 CFG = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, sd_coef=0.5, optimizer=replace(rl_optimizer(), lr=1e-3))
@@ -25,25 +24,25 @@ def _batch():
                            with_ref=True)
 
 
-def _adam_first_moment(rl_step, opt_state):
+def _adam_first_moment(opt_state):
     """Adam's first moment as a params-shaped tree (after one step: (1 - b1) x the clipped gradient the
-    step applied), gathered from the per-mesh-group optimizer states."""
+    step applied), joined from the per-mesh optimizer states."""
     def mu(group_state):
         is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
         return next(s for s in jax.tree.leaves(group_state, is_leaf=is_adam) if is_adam(s)).mu
 
-    return rl_step.grids.join({g: mu(opt_state[g]) for g in GROUPS})
+    return opt_state.groups.join([mu(inner) for inner in opt_state.inner])
 
 
-def _run(model, dual=None):
+def _run(model):
     """(grads, Adam's first moment, metrics, new state) of one step, as numpy."""
-    rl_step = RLStep(model, CFG, dual)
+    rl_step = RLStep(model, CFG)
     state = rl_step.init_state(model)
     batch = _batch()
     (_, _), grads = jax.jit(lambda s, b: loss_and_grads(rl_step.graphdef, rl_step.rest, s, b, CFG))(state, batch)
     new_state, metrics = rl_step(state, batch)
     as_numpy = lambda tree: jax.tree.map(np.asarray, tree)
-    return (as_numpy(grads), as_numpy(_adam_first_moment(rl_step, new_state.opt_state)),
+    return (as_numpy(grads), as_numpy(_adam_first_moment(new_state.opt_state)),
             jax.tree.map(float, metrics), new_state)
 
 
@@ -72,7 +71,7 @@ def test_sharded_rl_step_equals_single_device():
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     with dual:
         shard_model(model, dual)
-        grads, mu, metrics, state = _run(model, dual)
+        grads, mu, metrics, state = _run(model)
     ref_grads, ref_mu, ref_metrics, _ = _run(CausalLM(load_config("tiny", ["moe.dispatch=ragged"]), rngs=nnx.Rngs(0)))
     assert metrics["sd_tokens"] > 0 and metrics["finite"] == 1
     # The loss is a sum of terms that partly cancel: its error is relative to the terms' magnitudes.

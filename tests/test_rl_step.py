@@ -12,8 +12,9 @@ from flax import nnx
 from composer_jax import CausalLM, load_config
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
-from composer_jax.rl.step import feedback_rows, loss_terms, teacher_predictions
-from composer_jax.train.step import split_model
+from composer_jax.rl.objective import loss_terms
+from composer_jax.rl.teacher import feedback_rows, teacher_predictions
+from composer_jax.train.state import split_model
 
 G = 2
 

@@ -94,8 +94,8 @@ def test_finite_guard_skips_a_nonfinite_step(run):
             lambda path, x: x * jnp.nan if "lm_head" in jax.tree_util.keystr(path) else x, state.params)
         state = state._replace(params=poisoned)
         before = jax.tree.map(np.asarray, state)
-        trainer.iterator = iter(trainer.train_data)
-        after, metrics = trainer.step_fn(state, trainer.next_batch())
+        trainer.batches.iterator = iter(trainer.batches.train_data)
+        after, metrics = trainer.step_fn(state, trainer.batches.next())
     assert not bool(metrics["finite"]) and int(after.skipped) == int(before.skipped) + 1
     assert int(after.step) == int(before.step) + 1
     for name in ("params", "opt_state", "biases"):
@@ -112,8 +112,8 @@ def test_phase_two_starts_from_phase_one_params_with_longer_context(run, tmp_pat
     assert int(phase2.state.step) == 0
     for a, b in zip(jax.tree.leaves(phase2.state.params), jax.tree.leaves(trainer.state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(phase2.state.opt_state["dense"]))  # fresh
-    phase2.ckpt.close()
+    assert all(not np.any(np.asarray(m)) for m in jax.tree.leaves(phase2.state.opt_state))  # fresh
+    phase2.checkpoints.close()
 
 
 def test_packed_documents_do_not_attend_to_each_other(run):
@@ -130,7 +130,7 @@ def test_packed_documents_do_not_attend_to_each_other(run):
 
     @jax.jit
     def forward(state, t):
-        model = nnx.merge(trainer.graphdef, state.params, state.biases, trainer.rest)
+        model = nnx.merge(trainer.layout.graphdef, state.params, state.biases, trainer.layout.rest)
         return model.forward(t, segments, positions).hidden
 
     with trainer.dual:
@@ -166,7 +166,7 @@ def test_resume_onto_another_mesh_layout(run, tmp_path):
     for name in ("params", "biases", "opt_state"):
         for a, b in zip(jax.tree.leaves(getattr(moved.state, name)), jax.tree.leaves(getattr(trainer.state, name))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    moved.ckpt.close()
+    moved.checkpoints.close()
 
 
 def test_remat_step_matches_the_plain_step(run):
@@ -177,10 +177,10 @@ def test_remat_step_matches_the_plain_step(run):
 
     trainer, _, _ = run
     cfg = dataclasses.replace(trainer.cfg, train=dataclasses.replace(trainer.cfg.train, remat="full"))
-    remat_step = jax.jit(step_lib.make_train_step(cfg, trainer.graphdef, trainer.rest, trainer.opt, trainer.grids))
-    trainer.iterator = iter(trainer.train_data)
+    remat_step = jax.jit(step_lib.make_train_step(cfg, trainer.layout.graphdef, trainer.layout.rest, trainer.layout.opt))
+    trainer.batches.iterator = iter(trainer.batches.train_data)
     with trainer.dual:
-        batch = trainer.next_batch()
+        batch = trainer.batches.next()
         plain_state, plain = trainer.step_fn(jax.tree.map(jnp.copy, trainer.state), batch)
         remat_state, remat = remat_step(jax.tree.map(jnp.copy, trainer.state), batch)
     for key in ("loss", "ce", "mtp1_ce", "mtp1_kl", "grad_norm"):

@@ -7,10 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-from composer_jax.model.mtp import cross_entropy, mtp_loss
 from composer_jax.train import losses
 from composer_jax.train.config import OptimizerConfig
-from composer_jax.train.optimizer import clip_scale, wsd_schedule
+from composer_jax.train.optimizer import wsd_schedule
+from composer_jax.train.update import clip_by_global_norm
+from tests.reference_losses import cross_entropy, mtp_loss
 
 B, S, D, V = 2, 11, 8, 37
 
@@ -149,14 +150,16 @@ def test_wsd_schedule_shape():
     np.testing.assert_allclose([cosine(s) for s in (0, 5)], [1.0, 0.5], atol=1e-6)
 
 
-def test_clip_scale_matches_optax():
+@pytest.mark.parametrize("max_norm", [2.0, 20.0])
+def test_clip_by_global_norm_matches_optax(max_norm):
+    """Bitwise optax's clip_by_global_norm, clipping (2) and not (20); 0 disables."""
     grads = {"a": jnp.asarray([3.0, 4.0]), "b": jnp.asarray([[12.0]])}
-    norm = optax.tree.norm(grads)
-    clipped, _ = optax.clip_by_global_norm(2.0).update(grads, optax.clip_by_global_norm(2.0).init(grads))
-    ours = jax.tree.map(lambda g: g * clip_scale(norm, 2.0), grads)
+    tx = optax.clip_by_global_norm(max_norm)
+    clipped, _ = tx.update(grads, tx.init(grads))
+    ours = clip_by_global_norm(grads, max_norm, optax.tree.norm(grads))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(clipped)):
-        np.testing.assert_allclose(a, b, rtol=1e-6)
-    assert clip_scale(norm, 0.0) == 1.0 and clip_scale(jnp.asarray(1.0), 2.0) == 1.0
+        np.testing.assert_array_equal(a, b)
+    assert clip_by_global_norm(grads, 0.0, optax.tree.norm(grads)) is grads
 
 
 def test_micro_batch_sums_with_step_counts_equal_the_full_batch_objective():

@@ -36,8 +36,15 @@ class TrainCheckpointer:
         options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
                                                enable_async_checkpointing=async_save,
                                                cleanup_tmp_directories=True, create=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=self.array_items + self.json_items)
+        # Handlers per item, so that item metadata (shapes, dtypes) can be read without restoring.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for item in self.array_items:
+            for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+                registry.add(item, args, ocp.StandardCheckpointHandler)
+        for item in self.json_items:
+            for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+                registry.add(item, args, ocp.JsonCheckpointHandler)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -75,6 +82,15 @@ class TrainCheckpointer:
         args.update({k: ocp.args.JsonRestore() for k in json_items})
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         return {k: restored[k] for k in args}
+
+    def array_metadata(self, step: int | None, item: str):
+        """The saved pytree of array item `item` at `step` (None: the latest) as ShapeDtypeStructs
+        (shape and dtype; no sharding), read from the checkpoint's metadata without restoring."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        tree = self._manager.item_metadata(step)[item]
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), getattr(tree, "tree", tree))
 
     def wait(self) -> None:
         """Block until any background save is committed."""

@@ -2,7 +2,9 @@
 
 Writing uses orbax's non-OCDBT layout (`use_ocdbt=False`, zarr v2): one zarr array per leaf in
 `<dir>/<dotted.path>/` whose chunks are written by tensorstore as slices arrive, then `_METADATA` (the
-tree), `_sharding` (when shardings are known) and `_CHECKPOINT_METADATA`. The result is an ordinary
+tree), `_sharding` (when shardings are known) and `_CHECKPOINT_METADATA`. Orbax's public API saves
+whole arrays only, so these small JSON files are written here in orbax's format; tests restore them
+with the installed orbax, with and without a target, and pyproject.toml bounds orbax's version. The result is an ordinary
 orbax checkpoint: `ocp.StandardCheckpointer().restore(dir, target)` reads it onto any mesh, and
 without a target when `_sharding` was written. Reading slices works on any orbax PyTree checkpoint
 (OCDBT or not, zarr v2 or v3) through orbax's own tensorstore specs.
@@ -31,12 +33,14 @@ from flax import nnx
 from composer_jax import config as config_lib
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ModelConfig
+from composer_jax.tree_paths import path_keys
 
 PARAMS_DIR = "params"
 MODEL_CONFIG = "model_config.yaml"
 HF_FILES = "hf_files"
 SIDE_FILE = "side.safetensors"
-_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+# The handler orbax records for a StandardCheckpointer save, named from the installed orbax's public class.
+_HANDLER = f"{ocp.StandardCheckpointHandler.__module__}.{ocp.StandardCheckpointHandler.__qualname__}"
 
 
 def _context(concurrency: int = 16) -> ts.Context:
@@ -188,7 +192,7 @@ def load_model(directory: str | Path, overrides=(), *, shardings=None) -> nnx.Mo
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
     def target(path, leaf):
-        key = tuple(str(getattr(k, "key", k)) for k in path)
+        key = path_keys(path)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=by_path.get(key, default))
 
     pure = nnx.to_pure_dict(state)

@@ -23,7 +23,7 @@ import dataclasses
 import grain
 import numpy as np
 
-from composer_jax.data import chat
+from composer_jax.data import chat, code_conversations
 from composer_jax.data.config import DataConfig
 from composer_jax.data.errors import DataError
 from composer_jax.data.packing import PackIterDataset
@@ -74,7 +74,7 @@ class Example:
         cfg, field = self.cfg, self.cfg.record_field
         where = record.get("path", f"record with keys {sorted(record)[:5]}")
         if cfg.kind == "python_functions":
-            value = chat.python_function_conversations(record["text"], record["path"], max_chars=self.seq_len)
+            value = code_conversations.python_function_conversations(record["text"], record["path"], max_chars=self.seq_len)
             if value is None:
                 return self.skips.skip("no_function", where)
         elif field not in record:

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
 from composer_jax.model.layers import RMSNorm, param, weight
+from composer_jax.parallel.partitioning import gather_sequence
 
 
 class LatentCache(NamedTuple):
@@ -58,17 +58,6 @@ def load_balanced_order(seq: int, cp: int) -> np.ndarray:
         raise ValueError(f"context parallelism cp={cp} needs a sequence length divisible by {2 * cp}, got {seq}")
     chunks = np.arange(seq).reshape(2 * cp, seq // (2 * cp))
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
-
-
-def gather_sequence(x: jax.Array, axis: int = 1) -> jax.Array:
-    """x with dimension `axis` (the sequence) gathered whole, every other dimension kept as sharded: a
-    no-op unless the sequence is sharded (context parallelism)."""
-    sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty or len(sharding.spec) <= axis or sharding.spec[axis] is None:
-        return x
-    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    spec[axis] = None
-    return jax.sharding.reshard(x, P(*spec))
 
 
 class MLA(nnx.Module):

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
+from composer_jax.parallel.partitioning import gather_whole
 
 INIT_STD = 0.02  # HF initializer_range
 
@@ -47,10 +48,7 @@ def weight(var: nnx.Variable, dtype) -> jax.Array:
     Casting first halves the bytes gathered for bf16 compute; the backward pass reduce-scatters the
     gradient back to the parameter's sharding on its own.
     """
-    w = var[...].astype(dtype)
-    if any(axis is not None for axis in jax.typeof(w).sharding.spec):
-        w = jax.sharding.reshard(w, P())
-    return w
+    return gather_whole(var[...].astype(dtype))
 
 
 def stack_axes(module: nnx.Module, axis_name: str = "layers") -> None:

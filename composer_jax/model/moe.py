@@ -8,10 +8,9 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import dispatch
-from composer_jax.model.layers import MLP, param
 from composer_jax.model.expert_parallel import sharded_dispatch
+from composer_jax.model.layers import MLP, param
 from composer_jax.model.router import Router, expert_load
-from composer_jax.parallel.mesh import current
 from composer_jax.parallel.partitioning import activation_spec
 
 
@@ -19,11 +18,13 @@ class MoE(nnx.Module):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], stats).
 
     stats: `expert_load` f32[experts] (assignments per expert) and `dropped` int32[] (assignments
-    dropped by a fixed-capacity dispatch). Under an active DualMesh the routed experts run on the
-    expert mesh (composer_jax.model.expert_parallel); without one, on the local backend.
+    dropped by a fixed-capacity dispatch). With `mesh` (a DualMesh, static; set by
+    `parallel.shard_model`) the routed experts run on its expert mesh
+    (composer_jax.model.expert_parallel); without one, on the local backend.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.mesh = None
         moe, d, pd = cfg.moe, cfg.hidden_size, cfg.param_dtype
         self.num_experts = moe.n_routed_experts
         self.dtype = jnp.dtype(cfg.dtype)
@@ -41,12 +42,12 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, s, d = x.shape
-        dual = current()
+        dual = self.mesh
         experts = (self.gate_proj, self.up_proj, self.down_proj)
         if dual is None:
             if self.dispatch not in dispatch.BACKENDS:
-                raise ValueError(f"moe.dispatch={self.dispatch!r} needs a DualMesh: run the model under "
-                                 "`with composer_jax.parallel.DualMesh(...):` or use 'ragged' / 'dense'")
+                raise ValueError(f"moe.dispatch={self.dispatch!r} needs a DualMesh: place the model with "
+                                 "`composer_jax.parallel.shard_model(model, dual_mesh)` or use 'ragged' / 'dense'")
             tokens = x.reshape(b * s, d).astype(self.dtype)
             weights, idx = self.router(tokens)
             w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 multi-token prediction (MTP) depths and their loss (shared/reference/kimi_arch.md 2.4).
+"""DeepSeek-V3 multi-token prediction (MTP) depths (shared/reference/kimi_arch.md 2.4).
 
 Depth k (1..D) at position i sees the embedding of token t[i+k] and the previous depth's hidden state
 h[k-1, i], and predicts t[i+k+1]:
@@ -8,8 +8,8 @@ h[k-1, i], and predicts t[i+k+1]:
     P_k  = softmax(head_norm(h_k) @ lm_head)                      # embedding and head shared with the model
 
 h_0 is the main model's hidden state *after* its final norm, as vLLM and SGLang feed it when serving
-DeepSeek-V3's MTP weights for speculative decoding. Targets that leave the sequence or cross into
-another packed document are masked out.
+DeepSeek-V3's MTP weights for speculative decoding. The MTP losses live with the other training losses
+(composer_jax/train/losses.py).
 """
 
 from __future__ import annotations
@@ -71,37 +71,3 @@ class MTP(nnx.Module):
 def shifted_tokens(tokens: jax.Array, depths: int) -> jax.Array:
     """int[depths, batch, seq]: the input tokens of MTP depths 1..D, t[i+k] (0 past the end)."""
     return jnp.stack([shift_left(tokens, k) for k in range(1, depths + 1)])
-
-
-def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:
-    """bool[batch, seq]: depth `depth` at position i has a target t[i+depth+1] in the same document."""
-    offset = depth + 1
-    valid = jnp.arange(segment_ids.shape[1])[None] + offset < segment_ids.shape[1]
-    return valid & (shift_left(segment_ids, offset, fill=-1) == segment_ids)
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean token cross-entropy over `mask`. logits: f32[..., vocab]; labels: int[...]; mask: bool[...]."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    return jnp.sum(nll * mask) / jnp.maximum(mask.sum(), 1)
-
-
-def mtp_loss(logits_fn, mtp_hidden: jax.Array, tokens: jax.Array, weight: float,
-             segment_ids: jax.Array | None = None, loss_mask: jax.Array | None = None) -> jax.Array:
-    """(weight / D) * sum_k CE(P_k, t[i+k+1]) over valid positions.
-
-    logits_fn: the model's shared head ([..., embed] -> f32[..., vocab]);
-    mtp_hidden: [depths, batch, seq, embed]; tokens, segment_ids, loss_mask: [batch, seq] (loss_mask
-    marks which *target* tokens count, e.g. assistant tokens in SFT).
-    """
-    if segment_ids is None:
-        segment_ids = jnp.zeros(tokens.shape, jnp.int32)
-    depths = mtp_hidden.shape[0]
-    total = 0.0
-    for k in range(1, depths + 1):
-        mask = mtp_target_mask(segment_ids, k)
-        if loss_mask is not None:
-            mask &= shift_left(loss_mask.astype(bool), k + 1, fill=False)
-        total += cross_entropy(logits_fn(mtp_hidden[k - 1]), shift_left(tokens, k + 1), mask)
-    return weight * total / depths

@@ -12,12 +12,12 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
-from composer_jax.model.attention import LatentCache, attention_mask, gather_sequence, load_balanced_order
+from composer_jax.model.attention import LatentCache, attention_mask, load_balanced_order
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
 from composer_jax.model.mtp import MTP, shifted_tokens
-from composer_jax.parallel.mesh import current
-from composer_jax.parallel.partitioning import activation_spec
+from composer_jax.parallel.mesh import DualMesh
+from composer_jax.parallel.partitioning import activation_spec, gather_sequence, set_mesh
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
@@ -29,11 +29,11 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 class SequenceLayout:
-    """Where a batch's [..., batch, seq, ...] arrays live: unsharded without an active DualMesh, else
+    """Where a batch's [..., batch, seq, ...] arrays live: unsharded without a DualMesh, else
     batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order."""
 
-    def __init__(self, seq: int):
-        self.dual = current()
+    def __init__(self, seq: int, dual: DualMesh | None):
+        self.dual = dual
         cp = self.dual.cp if self.dual is not None else 1
         self.order = load_balanced_order(seq, cp) if cp > 1 else None
         self.inverse = np.argsort(self.order) if cp > 1 else None
@@ -71,10 +71,16 @@ class Output(NamedTuple):
 
 
 class CausalLM(nnx.Module):
-    """Token ids int32[batch, seq] -> float32 logits [batch, seq, vocab]."""
+    """Token ids int32[batch, seq] -> float32 logits [batch, seq, vocab].
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    `mesh`: the DualMesh the model's parameters and activations are laid out on (None: unsharded).
+    It is a static attribute, recorded here and on the MoE blocks by `parallel.shard_model` (or given
+    at construction), so every trace of the model is keyed on its layout.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh: DualMesh | None = None):
         self.cfg = cfg
+        self.mesh = mesh
         self.embed = Embed(cfg, rngs=rngs)
         self.dense_layers = (create_stack(lambda r: DecoderLayer(cfg, False, rngs=r), cfg.num_dense_layers, rngs)
                              if cfg.num_dense_layers else None)
@@ -83,6 +89,7 @@ class CausalLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.param_dtype, rngs=rngs)
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp.num_layers else None
+        set_mesh(self, mesh)
 
     def _check_inputs(self, tokens, segment_ids, positions) -> None:
         cfg = self.cfg
@@ -94,13 +101,15 @@ class CausalLM(nnx.Module):
         if tokens.shape[1] > cfg.rope.max_position_embeddings:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds rope.max_position_embeddings="
                              f"{cfg.rope.max_position_embeddings}")
-        if not isinstance(tokens, jax.core.Tracer):  # value checks need concrete ids
+        try:  # value checks need concrete ids (not under a trace)
             ids = np.asarray(tokens)
-            bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
-            if len(bad):
-                where = tuple(int(i) for i in bad[0])
-                raise ValueError(f"token id {int(ids[where])} at position {list(where)} is out of range "
-                                 f"[0, vocab_size={cfg.vocab_size}) ({len(bad)} out-of-range ids in total)")
+        except jax.errors.TracerArrayConversionError:
+            return
+        bad = np.argwhere((ids < 0) | (ids >= cfg.vocab_size))
+        if len(bad):
+            where = tuple(int(i) for i in bad[0])
+            raise ValueError(f"token id {int(ids[where])} at position {list(where)} is out of range "
+                             f"[0, vocab_size={cfg.vocab_size}) ({len(bad)} out-of-range ids in total)")
 
     def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
                 return_latents: bool = False, prefix: LatentCache | None = None) -> Output:
@@ -112,7 +121,7 @@ class CausalLM(nnx.Module):
         prefix: latents of earlier tokens (e.g. another forward's `latents`) that every token may
         attend to where `prefix.valid`; pass the new tokens' `positions` continuing after it. Gradients
         flow into the prefix unless the caller stops them.
-        Under an active DualMesh the batch is sharded on (replica, fsdp) and the sequence on cp (in
+        Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
         the load-balanced chunk order, undone on the outputs).
         """
         self._check_inputs(tokens, segment_ids, positions)
@@ -120,7 +129,7 @@ class CausalLM(nnx.Module):
             segment_ids = jnp.zeros(tokens.shape, jnp.int32)
         if positions is None:
             positions = document_positions(segment_ids)
-        layout = SequenceLayout(tokens.shape[1])
+        layout = SequenceLayout(tokens.shape[1], self.mesh)
         order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         order_q, segment_q = layout.place(order), layout.place(segment_ids)
         mask = attention_mask(segment_q, gather_sequence(segment_q), order_q, gather_sequence(order_q))

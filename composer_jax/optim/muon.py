@@ -14,7 +14,9 @@ over all parameters.
 
 Which leaves are matrices and how is decided at `init` (`plan.make_plan`) and kept in the state as
 static data, so `update` works on the plain arrays `nnx.Optimizer` passes. Every leaf's arithmetic
-runs on the leaf's own mesh (`grid`), so parameters may be spread over the dense and the expert grid.
+runs on the leaf's own mesh (`parallel.leafwise`), so parameters may be spread over the dense and the
+expert grid; the NS exchange's `shard_map`s need those meshes concrete, so parameters on more than one
+mesh need `meshes=` (e.g. `DualMesh.meshes`).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import jax.numpy as jnp
 import optax
 
 from composer_jax.optim import layout
-from composer_jax.optim.grid import abstract, localize, localize_tree, mesh_of, on_mesh
 from composer_jax.optim.newton_schulz import coefficient_schedule, newton_schulz
-from composer_jax.optim.plan import FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
+from composer_jax.optim.plan import ADAM, FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
+from composer_jax.parallel.leafwise import localize, mesh_of, on_mesh, per_mesh
 
 DEFAULT_NS_STEPS = 5
 DEFAULT_CHUNKS = 4
@@ -39,7 +41,7 @@ DEFAULT_CHUNKS = 4
 class MuonState(NamedTuple):
     count: jax.Array    # int32[]: steps taken
     mu: Any             # Muon momentum: the parameter tree, optax.MaskedNode outside Muon leaves
-    adam: tuple         # per mesh group: optax.masked(adamw) state over that group's AdamW leaves
+    adam: Any           # per mesh group (parallel.leafwise.per_mesh): optax.masked(adamw) over its AdamW leaves
     plan: MuonPlan      # static
 
 
@@ -75,6 +77,7 @@ def muon(
     adam_weight_decay=0.0,
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: Any | Callable | None = None,
+    meshes: tuple = (),
 ) -> optax.GradientTransformation:
     """Muon for matrices (see the module docstring), AdamW for the rest; an optax GradientTransformation.
 
@@ -90,6 +93,9 @@ def muon(
       consistent_rms * sqrt(max(fan_in, fan_out)), fans per matrix (per head / per expert).
     chunks: runs each same-shape batch is cut into so communication overlaps NS (static int; None: 4).
     muon_weight_dimension_numbers: optax.contrib.muon's argument; None reads the model metadata.
+    meshes: the concrete `jax.sharding.Mesh`es the parameters live on (e.g. `DualMesh.meshes`); needed
+      when Muon matrices live on more than one mesh (the exchange's shard_maps need each concrete mesh,
+      which JAX does not expose under a trace). Parameters on one mesh or none need nothing.
 
     Under `optax.inject_hyperparams` the defaults work as they are; an explicit `ns_steps` or `chunks`
     (ints), a dtype class for `ns_dtype` (pass a string) or a callable for dimension numbers or masks
@@ -105,27 +111,31 @@ def muon(
         raise ValueError(f"ns_dtype must be a floating dtype name or None, got {ns_dtype!r}")
     mu_dtype = jnp.dtype(mu_dtype) if mu_dtype is not None else None
 
-    def adamw(mesh, plan: MuonPlan, members):
-        on = lambda v: v if callable(v) else localize(v, mesh)  # noqa: E731
-        lr = learning_rate if adam_learning_rate is None else adam_learning_rate
-        inner = optax.adamw(learning_rate=on(lr), b1=on(adam_b1), b2=on(adam_b2), eps=on(eps),
-                            eps_root=on(adam_eps_root), weight_decay=on(adam_weight_decay), mu_dtype=mu_dtype,
-                            nesterov=nesterov)
-        return optax.masked(inner, plan.mask(members))
+    def adam_transform(plan: MuonPlan):
+        """AdamW over the plan's AdamW leaves, once per mesh; hyperparameters moved onto each mesh."""
+        adam_leaves = set(plan.indices(ADAM))
+
+        def make(mesh, members):
+            on = lambda v: v if callable(v) else localize(v, mesh)  # noqa: E731
+            lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+            inner = optax.adamw(learning_rate=on(lr), b1=on(adam_b1), b2=on(adam_b2), eps=on(eps),
+                                eps_root=on(adam_eps_root), weight_decay=on(adam_weight_decay), mu_dtype=mu_dtype,
+                                nesterov=nesterov)
+            return optax.masked(inner, [i in adam_leaves for i in members])
+
+        return per_mesh(make)
 
     def init_fn(params):
         plan = make_plan(params, muon_weight_dimension_numbers)
         values = jax.tree.leaves(pure(params))
+        layout.check_meshes([values[i] for i in plan.indices(MUON)], [plan.paths[i] for i in plan.indices(MUON)],
+                            meshes)
         mu = {}
         for i in plan.indices(MUON):
             with on_mesh(mesh_of(values[i])):
                 mu[i] = jnp.zeros_like(values[i], dtype=mu_dtype)
-        adam = []
-        for _, members in plan.adam_groups():
-            mesh = mesh_of(values[members[0]])
-            with on_mesh(mesh):
-                adam.append(adamw(mesh, plan, members).init(pure(params)))
-        return MuonState(jnp.zeros([], jnp.int32), _masked(plan, mu), tuple(adam), plan)
+        adam = adam_transform(plan).init(pure(params))
+        return MuonState(jnp.zeros([], jnp.int32), _masked(plan, mu), adam, plan)
 
     def orthogonalized(plan, grads, mus, count):
         """Momentum, NS and shape scaling of the Muon leaves: (directions, new momenta), in plan order."""
@@ -149,7 +159,7 @@ def muon(
             with on_mesh(mesh_of(h)):  # the cast is an op on the leaf's own grid
                 ns_inputs.append(h.astype(ns_dtype or h.dtype))
         ortho = layout.orthogonalize(ns_inputs, views,
-                                     lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks)
+                                     lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks, meshes)
         directions = []
         for i, o, h in zip(ids, ortho, mu_hat):
             reduction, output = plan.axes[i]
@@ -173,11 +183,6 @@ def muon(
         for path, shape, g in zip(plan.paths, plan.shapes, grads):
             if tuple(g.shape) != shape:
                 raise ValueError(f"muon: update for '{path}' has shape {tuple(g.shape)}, init saw {shape}")
-        for _, members in plan.adam_groups():
-            meshes = {abstract(mesh_of(grads[i])) for i in members}
-            if len(meshes) > 1:
-                raise ValueError(f"muon: AdamW leaves {[plan.paths[i] for i in members]} share one state at init "
-                                 f"but now live on {len(meshes)} meshes: initialize with the parameters as sharded")
         decays = not (isinstance(weight_decay, (int, float)) and weight_decay == 0)
         if params is None and decays:
             raise ValueError("muon: weight_decay needs the parameters: call update(updates, state, params)")
@@ -200,22 +205,16 @@ def muon(
                     d = d + localize(wd, mesh) * values[i]
                 out[i] = jnp.asarray(-localize(lr, mesh), d.dtype) * d if isinstance(lr, jax.Array) else -lr * d
 
-        new_adam = []
-        for (_, members), adam_state in zip(plan.adam_groups(), state.adam):
-            mesh = mesh_of(grads[members[0]])
-            with on_mesh(mesh):
-                new_updates, adam_state = adamw(mesh, plan, members).update(
-                    updates, localize_tree(adam_state, mesh), params)
-            leaves = jax.tree.leaves(new_updates)
-            for i in members:
-                out[i] = leaves[i]
-            new_adam.append(adam_state)
+        adam_updates, new_adam = adam_transform(plan).update(updates, state.adam, params)
+        adam_leaves = jax.tree.leaves(adam_updates)
+        for i in plan.indices(ADAM):
+            out[i] = adam_leaves[i]
         for i in plan.indices(FROZEN):
             with on_mesh(mesh_of(grads[i])):
                 out[i] = jnp.zeros_like(grads[i])
 
         new_state = MuonState(optax.safe_increment(state.count), _masked(plan, dict(zip(muon_ids, new_mu))),
-                              tuple(new_adam), plan)
+                              new_adam, plan)
         result = jax.tree.unflatten(plan.treedef, out)
         if any(is_variable(v) for v in jax.tree.leaves(given, is_leaf=is_variable)):
             result = jax.tree.map(lambda v, u: v.replace(u) if is_variable(v) else u, given, result,

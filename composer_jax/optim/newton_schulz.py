@@ -63,8 +63,7 @@ def coefficient_schedule(ns_coeffs: str | Sequence, ns_steps: int) -> np.ndarray
     (repeated every step), or a schedule of triples run in order (truncated to `ns_steps`, its last
     row repeated when `ns_steps` is longer). `ns_steps` must be a static int >= 1.
     """
-    if isinstance(ns_steps, jax.core.Tracer) or not isinstance(ns_steps, (int, np.integer)) \
-            or isinstance(ns_steps, bool):
+    if not isinstance(ns_steps, (int, np.integer)) or isinstance(ns_steps, bool):  # a traced value is neither
         raise TypeError(f"ns_steps must be a static int, got {ns_steps!r} (under optax.inject_hyperparams "
                         "pass static_args=('ns_steps',))")
     if ns_steps < 1:

@@ -17,25 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
-from composer_jax.optim.grid import abstract, mesh_of
+from composer_jax.tree_paths import path_str
 
 MUON, ADAM, FROZEN = "muon", "adam", "frozen"
 
 
 def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
-
-
-def _path_str(path) -> str:
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts) or "<root>"
 
 
 def pure(tree):
@@ -66,7 +54,7 @@ def dimension_numbers(params) -> Any:
     """A tree like `pure(params)` of `MuonDimensionNumbers` (Muon matrices) or None (everything else),
     read from each `nnx.Variable`'s metadata. Usable as optax.contrib.muon's dimension numbers."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)
-    dims = [_metadata_dims(_path_str(p), v) if isinstance(v, nnx.Param) else None for p, v in leaves]
+    dims = [_metadata_dims(path_str(p), v) if isinstance(v, nnx.Param) else None for p, v in leaves]
     return jax.tree.unflatten(jax.tree.structure(pure(params)), dims)
 
 
@@ -102,23 +90,9 @@ class MuonPlan:
     labels: tuple[str, ...]                  # 'muon', 'adam' or 'frozen'
     shapes: tuple[tuple[int, ...], ...]
     axes: tuple[tuple[tuple[int, ...], tuple[int, ...]] | None, ...]  # (reduction, output) of Muon leaves
-    meshes: tuple[Any, ...]                  # each leaf's mesh at init (AbstractMesh or None)
 
     def indices(self, label: str) -> list[int]:
         return [i for i, kind in enumerate(self.labels) if kind == label]
-
-    def adam_groups(self) -> list[tuple[Any, list[int]]]:
-        """AdamW leaves grouped by their mesh at init: each group gets its own AdamW state (its step
-        count on its own mesh) and runs on its mesh. Parameters not yet sharded at init form one group."""
-        groups: dict[Any, list[int]] = {}
-        for i in self.indices(ADAM):
-            groups.setdefault(self.meshes[i], []).append(i)
-        return list(groups.items())
-
-    def mask(self, members) -> Any:
-        """A bool tree over the parameters, True at `members`."""
-        members = set(members)
-        return jax.tree.unflatten(self.treedef, [i in members for i in range(len(self.labels))])
 
 
 def make_plan(params, weight_dimension_numbers=None) -> MuonPlan:
@@ -126,7 +100,7 @@ def make_plan(params, weight_dimension_numbers=None) -> MuonPlan:
     raw, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_variable)
     values = pure(params)
     treedef = jax.tree.structure(values)
-    paths = tuple(_path_str(p) for p, _ in raw)
+    paths = tuple(path_str(p) for p, _ in raw)
     shapes = tuple(tuple(jnp.shape(v.get_value() if is_variable(v) else v)) for _, v in raw)
     frozen = [is_variable(v) and not isinstance(v, nnx.Param) for _, v in raw]  # e.g. the router bias
 
@@ -152,5 +126,4 @@ def make_plan(params, weight_dimension_numbers=None) -> MuonPlan:
     for path, shape, d, fz in zip(paths, shapes, dims, frozen):
         labels.append(FROZEN if fz else MUON if d is not None else ADAM)
         axes.append(_normalize(path, shape, d) if labels[-1] == MUON else None)
-    meshes = tuple(abstract(mesh_of(v)) for v in jax.tree.leaves(values))
-    return MuonPlan(treedef, paths, tuple(labels), shapes, tuple(axes), meshes)
+    return MuonPlan(treedef, paths, tuple(labels), shapes, tuple(axes))

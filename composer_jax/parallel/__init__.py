@@ -1,6 +1,7 @@
-"""Dual-grid HSDP: the dense and expert meshes and the logical-axis partitioning rules."""
+"""Dual-grid HSDP: the dense and expert meshes, the logical-axis partitioning rules and leafwise work
+across the two meshes."""
 
-from composer_jax.parallel.mesh import DualMesh, current
-from composer_jax.parallel.partitioning import param_shardings, shard_model
+from composer_jax.parallel.mesh import DualMesh
+from composer_jax.parallel.partitioning import param_shardings, set_mesh, shard_model, state_shardings
 
-__all__ = ["DualMesh", "current", "param_shardings", "shard_model"]
+__all__ = ["DualMesh", "param_shardings", "set_mesh", "shard_model", "state_shardings"]

@@ -11,14 +11,15 @@ This file owns the JAX rules that bite with two meshes (shared/reference/framewo
 - `shard_map` inputs must already be on its mesh: `to_expert` / `to_dense` move token arrays;
 - a different device order is silently wrong: both meshes are built here from one device array.
 
-The model finds the active DualMesh through `current()`; `with dual_mesh:` activates it (and makes the
-dense mesh JAX's context mesh). Without an active DualMesh the model runs unsharded.
+A DualMesh is hashable and compares by its two meshes (devices, order, axes), so code that is traced
+for a layout can carry it as static data: the model holds it as a static attribute (part of its
+graphdef, hence of every jit cache key) rather than reading it from a context at trace time.
+`with dual_mesh:` makes the dense mesh JAX's context mesh for Explicit-axes ops.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 
 import jax
@@ -33,14 +34,6 @@ EXPERT_AXES = ("ereplica", "efsdp", "ep")
 BATCH_AXES = ("replica", "fsdp")       # dense-mesh batch sharding
 DENSE_TOKEN_AXES = DENSE_AXES          # flattened [batch * seq] tokens on the dense mesh
 EXPERT_TOKEN_AXES = EXPERT_AXES        # the same token shards on the expert mesh
-
-_ACTIVE: contextvars.ContextVar["DualMesh | None"] = contextvars.ContextVar("dual_mesh", default=None)
-
-
-def current() -> "DualMesh | None":
-    """The DualMesh activated with `with dual_mesh:`, or None (unsharded run)."""
-    return _ACTIVE.get()
-
 
 def resolve_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     """Axis sizes with -1 filled in; each grid must multiply to `num_devices`."""
@@ -85,26 +78,46 @@ class DualMesh:
                           axis_types=explicit(3))
         self.expert = Mesh(devices.reshape([self.sizes[a] for a in EXPERT_AXES]), EXPERT_AXES,
                            axis_types=explicit(3))
-        self._tokens: list = []
+        self._contexts: list = []
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DualMesh) and (self.dense, self.expert) == (other.dense, other.expert)
+
+    def __hash__(self) -> int:
+        return hash((self.dense, self.expert))
 
     def __repr__(self) -> str:
         fmt = lambda axes: ", ".join(f"{a}={self.sizes[a]}" for a in axes)  # noqa: E731
         return f"DualMesh(dense=({fmt(DENSE_AXES)}), expert=({fmt(EXPERT_AXES)}))"
 
     def __enter__(self) -> "DualMesh":
-        mesh_ctx = jax.set_mesh(self.dense)
-        mesh_ctx.__enter__()
-        self._tokens.append((_ACTIVE.set(self), mesh_ctx))
+        context = jax.set_mesh(self.dense)
+        context.__enter__()
+        self._contexts.append(context)
         return self
 
     def __exit__(self, *exc) -> None:
-        token, mesh_ctx = self._tokens.pop()
-        _ACTIVE.reset(token)
-        mesh_ctx.__exit__(*exc)
+        self._contexts.pop().__exit__(*exc)
 
     @property
     def cp(self) -> int:
         return self.sizes["cp"]
+
+    @property
+    def meshes(self) -> tuple[Mesh, Mesh]:
+        """(dense, expert): the concrete meshes, e.g. for `optim.muon(meshes=...)`."""
+        return self.dense, self.expert
+
+    def concrete(self, mesh) -> Mesh:
+        """The concrete mesh (dense or expert) whose abstract mesh is `mesh` (a Mesh or AbstractMesh)."""
+        for candidate in self.meshes:
+            if candidate == mesh or candidate.abstract_mesh == mesh:
+                return candidate
+        raise ValueError(f"{mesh} is neither mesh of {self}")
+
+    def replicated(self, mesh="dense") -> NamedSharding:
+        """A replicated NamedSharding on the dense (default) or expert mesh."""
+        return NamedSharding(self.dense if mesh == "dense" else self.expert, P())
 
     @contextlib.contextmanager
     def expert_scope(self):

@@ -31,7 +31,7 @@ class OptimizerConfig:
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
-    weight_decay: float = 0.1         # decoupled; matrices only (not norms, embedding rows stay decayed)
+    weight_decay: float = 0.1         # decoupled; matrices only (reduction/output metadata): not norms, embedding, head
     max_grad_norm: float = 1.0        # global-norm clipping; 0 disables
     ns_dtype: Literal["float32", "bfloat16"] = "float32"   # Muon's Newton-Schulz compute dtype
 

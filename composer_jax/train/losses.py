@@ -25,8 +25,16 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from composer_jax.model.attention import gather_sequence
-from composer_jax.model.mtp import mtp_target_mask, shift_left
+from composer_jax.model.mtp import shift_left
+from composer_jax.parallel.partitioning import gather_sequence
+
+
+def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:
+    """bool[batch, seq]: depth `depth` at position i has a target t[i+depth+1] in the same document
+    (depth 0: the main head's next token)."""
+    offset = depth + 1
+    valid = jnp.arange(segment_ids.shape[1])[None] + offset < segment_ids.shape[1]
+    return valid & (shift_left(segment_ids, offset, fill=-1) == segment_ids)
 
 
 def target_weights(tokens, segment_ids, loss_mask, offset: int) -> tuple[jax.Array, jax.Array]:

@@ -121,3 +121,42 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def run_peak_flops(devices, per_device: float = 0.0) -> float:
+    """The MFU denominator of a run on `devices`: `per_device` (the config's) or the datasheet peak
+    times the device count; on CPU fake devices, which share the host's cores, the measured host."""
+    if per_device:
+        return per_device * len(devices)
+    peak = device_peak_flops(devices[0])
+    return peak * len(devices) if peak is not None else measure_host_matmul_flops()
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps run since the last measurement. The first step of a run (which
+    compiles) is timed on its own and reported as `first_step_s`; evaluations and checkpoints between
+    measurements are excluded by `restart`."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: float, peak_flops: float):
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak_flops
+        self.first_step_s: float | None = None
+        self._start, self._steps = time.perf_counter(), 0
+
+    def first_step(self) -> None:
+        """Call once the first step's outputs are ready."""
+        self.first_step_s = time.perf_counter() - self._start
+        self.restart()
+
+    def count(self) -> None:
+        self._steps += 1
+
+    def restart(self) -> None:
+        self._start, self._steps = time.perf_counter(), 0
+
+    def measure(self) -> tuple[float, float | None]:
+        """(tokens/s, MFU or None) since the last measurement; restarts the clock."""
+        elapsed = time.perf_counter() - self._start
+        tps = (self.tokens_per_step * self._steps / elapsed if self._steps
+               else self.tokens_per_step / (self.first_step_s or elapsed))
+        self.restart()
+        return tps, (tps * self.flops_per_token / self.peak if self.peak else None)

@@ -1,16 +1,17 @@
-"""The optimizer from config: AdamW (optax) or Muon (`composer_jax.optim.muon`), global-norm clipping
-and a warmup-stable-decay learning-rate schedule."""
+"""The optimizer from config: AdamW (optax, once per mesh of the dual grid) or Muon
+(`composer_jax.optim.muon`), with a warmup-stable-decay learning-rate schedule."""
 
 from __future__ import annotations
 
-import importlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
-from composer_jax.config import ConfigError
+from composer_jax.optim import muon
+from composer_jax.parallel.leafwise import per_mesh
 from composer_jax.train.config import OptimizerConfig
 
 
@@ -35,49 +36,39 @@ def wsd_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return schedule
 
 
-def decay_mask(params):
-    """Weight decay on matrices (ndim >= 2) only: norms and other vectors are not decayed."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(params) -> list[bool]:
+    """Per parameter leaf (flattened order): decayed iff it is a matrix, i.e. carries `reduction` /
+    `output` metadata (the rule Muon uses for its matrices). Norm scales, also when stacked to
+    [layers, dim], the embedding, the output head and the router bias are not decayed.
 
-
-def _muon(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
-    try:
-        module = importlib.import_module("composer_jax.optim.muon")
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("composer_jax.optim"):
-            raise ConfigError("optimizer.name", "'muon' needs composer_jax.optim.muon, which is not in this "
-                                                "installation yet; use optimizer.name=adamw") from None
-        raise
-    try:
-        # Muon for the matrices it plans from the params' metadata, AdamW (no decay) for the rest.
-        return module.muon(learning_rate=schedule, weight_decay=cfg.weight_decay, eps=cfg.eps,
-                           adam_b1=cfg.b1, adam_b2=cfg.b2, ns_dtype=cfg.ns_dtype)
-    except TypeError as e:
-        raise ConfigError("optimizer.name", f"composer_jax.optim.muon.muon rejected the arguments: {e}") from None
+    params: an nnx.State (or abstract State) whose leaves are nnx.Variables with metadata."""
+    variables = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return [isinstance(v, nnx.Variable) and v.has_metadata("reduction") for v in variables]
 
 
 class Optimizer(NamedTuple):
-    """tx, its learning-rate schedule, and how it meets the two meshes: `per_group` transformations
-    (optax AdamW) run once per mesh group on a flat list of that group's leaves; the others (Muon)
-    take the whole parameter State, metadata included, and keep each leaf on its own mesh themselves."""
+    """An optax transformation over the whole parameter State (each leaf on its own mesh of the dual
+    grid) and its learning-rate schedule."""
 
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    per_group: bool
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> Optimizer:
-    """The configured optimizer. Global-norm clipping, which needs every leaf, is done by the step
-    before it (`clip_scale`)."""
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, params, meshes: tuple = ()) -> Optimizer:
+    """The configured optimizer for `params` (an nnx.State, abstract or concrete: its metadata decides
+    what is a matrix). `meshes`: the concrete meshes the parameters live on (`DualMesh.meshes`).
+    Global-norm clipping, which needs every leaf of both meshes, is done by the update before it
+    (`train.update.apply_gradients`)."""
     schedule = wsd_schedule(cfg, total_steps)
     if cfg.name == "muon":
-        return Optimizer(_muon(cfg, schedule), schedule, per_group=False)
-    tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
-    return Optimizer(tx, schedule, per_group=True)
+        # Muon for the matrices it plans from the params' metadata, AdamW (no decay) for the rest.
+        tx = muon(learning_rate=schedule, weight_decay=cfg.weight_decay, eps=cfg.eps, adam_b1=cfg.b1,
+                  adam_b2=cfg.b2, ns_dtype=cfg.ns_dtype, meshes=meshes)
+        return Optimizer(tx, schedule)
+    decay = decay_mask(params)
 
+    def adamw(mesh, members):
+        return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           mask=[decay[i] for i in members])
 
-def clip_scale(grad_norm: jax.Array, max_norm: float) -> jax.Array:
-    """The factor that scales gradients to global norm <= max_norm (optax.clip_by_global_norm's rule)."""
-    if not max_norm:
-        return jnp.ones((), jnp.float32)
-    return jnp.where(grad_norm < max_norm, 1.0, max_norm / grad_norm).astype(jnp.float32)
+    return Optimizer(per_mesh(adamw), schedule)

@@ -1,98 +1,39 @@
-"""The train state and the jitted pretrain / SFT step and eval step.
+"""The pretrain / SFT step and eval step (jitted by the caller; the state is `train.state.TrainState`).
 
 One step (jitted; the state is donated; no host synchronisation inside):
 1. global target counts of the whole step, so micro-batch losses sum to the step mean;
 2. a `lax.scan` over `grad_accum` micro-batches accumulating `value_and_grad` of
    `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
-3. the global gradient norm and clipping factor over both meshes' leaves;
-4. a finite guard: if the loss or the gradient norm is not finite, params, optimizer state and router
-   biases stay as they were and `skipped` counts the step;
-5. the optimizer update (AdamW per mesh group of leaves, or Muon on the whole State; see
-   composer_jax.train.grids and optimizer.Optimizer), and the
-   router correction-bias update `b <- b + rate * sign(mean(load) - load)` from the step's summed
+3. `update.apply_gradients`: the global gradient norm over both meshes' leaves, a finite guard (if the
+   loss or the gradient norm is not finite, params, optimizer state and router biases stay as they
+   were and `skipped` counts the step), clipping and the optimizer update;
+4. the router correction-bias update `b <- b + rate * sign(mean(load) - load)` from the step's summed
    expert loads (main MoE layers and MTP depths), outside the optimizer.
+Every leafwise op runs on its leaf's mesh (`parallel.leafwise`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from composer_jax.model import CausalLM
-from composer_jax.model.layers import RouterBias, weight
+from composer_jax.model.layers import weight
 from composer_jax.model.router import updated_bias
+from composer_jax.parallel import leafwise
+from composer_jax.parallel.partitioning import gather_whole
 from composer_jax.train import losses
 from composer_jax.train.config import RunConfig
-from composer_jax.train.grids import GROUPS, Grids
-from composer_jax.train.optimizer import Optimizer, clip_scale
+from composer_jax.train.optimizer import Optimizer
+from composer_jax.train.state import TrainState
+from composer_jax.train.update import apply_gradients
 
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
-class TrainState(NamedTuple):
-    step: jax.Array          # int32[]: steps taken (skipped ones included)
-    params: nnx.State        # nnx.Param leaves (optimized)
-    biases: nnx.State        # RouterBias leaves [layers, experts] (load-balancing, not optimized)
-    opt_state: dict          # {"dense": optimizer state of the dense-mesh leaves, "expert": ...}
-    skipped: jax.Array       # int32[]: steps skipped by the finite guard
-
-
 Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batch, seq] (eval)
-
-
-def split_model(model: CausalLM):
-    """(graphdef, params, biases, rest) of a model; `rest` holds any other variables (none today)."""
-    return nnx.split(model, nnx.Param, RouterBias, ...)
-
-
-def abstract_model_parts(cfg: RunConfig):
-    """(graphdef, abstract params, abstract biases, rest) without allocating anything."""
-    return split_model(nnx.eval_shape(lambda: CausalLM(cfg.model, rngs=nnx.Rngs(0))))
-
-
-def init_opt_state(opt: Optimizer, params: nnx.State, grids: Grids) -> dict:
-    """{"dense": ..., "expert": ...} per mesh group (per-group optimizers) or {"all": ...} (Muon)."""
-    if not opt.per_group:
-        return {"all": opt.tx.init(params)}
-    groups, out = grids.split(params), {}
-    for g in GROUPS:
-        # Fresh params are not on any mesh yet; restored ones are, and need their mesh's scope.
-        on_mesh = groups[g] and grids.mesh_group(groups[g][0]) == g
-        with grids.scope(g) if on_mesh else contextlib.nullcontext():
-            out[g] = opt.tx.init(groups[g])
-    return out
-
-
-def init_state(cfg: RunConfig, opt: Optimizer, grids: Grids, shardings: TrainState | None = None) -> TrainState:
-    """A fresh TrainState (traceable: run under `jax.jit`). With `shardings`, params and biases are
-    placed first and the optimizer state is built from the placed params (Muon plans per mesh)."""
-    _, params, biases, _ = split_model(CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed)))
-    if shardings is not None:
-        params = jax.tree.map(jax.sharding.reshard, params, shardings.params)
-        biases = jax.tree.map(jax.sharding.reshard, biases, shardings.biases)
-    zero = jnp.zeros((), jnp.int32)
-    return TrainState(zero, params, biases, init_opt_state(opt, params, grids), zero)
-
-
-def apply_optimizer(opt: Optimizer, grids: Grids, grads, opt_state: dict, params, ok: jax.Array):
-    """(new params, new optimizer state); both stay as they were where the dense-mesh scalar `ok` is False."""
-    if not opt.per_group:
-        updates, new = opt.tx.update(grads, opt_state["all"], params)
-        return (grids.select(ok, grids.map(jnp.add, params, updates), params),
-                {"all": grids.select(ok, new, opt_state["all"])})
-    g_groups, p_groups = grids.split(grads), grids.split(params)
-    new_params, new_opt = {}, {}
-    for g in GROUPS:
-        with grids.scope(g):
-            updates, new_opt[g] = opt.tx.update(g_groups[g], opt_state[g], p_groups[g])
-            new_params[g] = optax.apply_updates(p_groups[g], updates)
-    return grids.select(ok, grids.join(new_params), params), grids.select(ok, new_opt, opt_state)
 
 
 def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, distill: bool):
@@ -112,13 +53,7 @@ def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, dis
 def gather_batch(batch: Batch) -> Batch:
     """The batch whole on every device (it arrives sharded by process over the data axes); the model
     then places tokens on the dense grid itself."""
-    def whole(x):
-        sharding = jax.typeof(x).sharding
-        if sharding.mesh.empty or all(a is None for a in sharding.spec):
-            return x
-        return jax.sharding.reshard(x, P())
-
-    return jax.tree.map(whole, batch)
+    return jax.tree.map(gather_whole, batch)
 
 
 def _type_sharding(s: jax.ShapeDtypeStruct):
@@ -137,8 +72,8 @@ def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
     return jax.tree_util.tree_map_with_path(one, biases)
 
 
-def make_train_step(cfg: RunConfig, graphdef, rest, opt: Optimizer,
-                    grids: Grids) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+def make_train_step(cfg: RunConfig, graphdef, rest,
+                    opt: Optimizer) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The (un-jitted) step: (state, batch [accum, micro, seq]) -> (state, metrics of f32/int32 scalars)."""
     mcfg, tcfg = cfg.model, cfg.train
     depths = mcfg.mtp.num_layers
@@ -160,28 +95,26 @@ def make_train_step(cfg: RunConfig, graphdef, rest, opt: Optimizer,
             (loss, aux), grads = grad_fn(state.params, state.biases, mb, n_main, n_mtp)
             (acc_loss, acc_aux), acc_grads = acc
             return ((acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux)),
-                    grids.map(jnp.add, acc_grads, grads)), None
+                    leafwise.tree_map(jnp.add, acc_grads, grads)), None
 
         # Zero accumulators with the shardings the gradients will have, then one scan over micro-batches
         # (a single copy of forward + backward in the compiled step).
         (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, state.biases,
                                                   jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
         zeros = lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_type_sharding(s))  # noqa: E731
-        acc = ((zeros(loss_s), jax.tree.map(zeros, aux_s)), grids.map(zeros, grads_s))
+        acc = ((zeros(loss_s), jax.tree.map(zeros, aux_s)), leafwise.tree_map(zeros, grads_s))
         ((loss, (sums, loads)), grads), _ = jax.lax.scan(micro, acc, batch)
 
-        grad_norm = jnp.sqrt(grids.sum_of_squares(grads))
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        grads = grids.scale(grads, clip_scale(grad_norm, cfg.optimizer.max_grad_norm))
-        params, opt_state = apply_optimizer(opt, grids, grads, state.opt_state, state.params, finite)
-        biases = update_biases(state.biases, loads, mcfg.moe.bias_update_rate)
-        biases = grids.select(finite, biases, state.biases)
-        new_state = TrainState(state.step + 1, params, biases, opt_state, state.skipped + (~finite).astype(jnp.int32))
+        new = apply_gradients(opt, state.params, state.opt_state, grads, loss, cfg.optimizer.max_grad_norm)
+        finite = new.finite
+        biases = leafwise.where(finite, update_biases(state.biases, loads, mcfg.moe.bias_update_rate), state.biases)
+        new_state = TrainState(state.step + 1, new.params, biases, new.opt_state,
+                               state.skipped + (~finite).astype(jnp.int32))
         main_load = loads["moe_layers"]
         metrics = {
             "loss": loss,
             "ce": sums.ce / jnp.maximum(n_main, 1.0),
-            "grad_norm": grad_norm,
+            "grad_norm": new.grad_norm,
             "lr": opt.schedule(state.step),
             "finite": finite,
             "skipped": new_state.skipped,
