@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ConfigError
+from composer_jax.cpu_devices import use_cpu_devices
 from composer_jax.data.errors import DataError
 
 EXIT_USAGE = 2
@@ -230,13 +230,6 @@ def _add_export(sub) -> None:
 # pretrain / sft / plot
 
 
-def _use_cpu_devices(count: int) -> None:
-    """Ask XLA for `count` fake host devices (CPU runs); only effective before JAX starts its backend."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-
-
 def _quiet_logging() -> None:
     import logging
 
@@ -253,7 +246,7 @@ def _run_training(args, command: str) -> int:
     cfg = load_run_config(args.config, args.overrides)
     if command == "sft" and cfg.data.format != "chat":
         raise ConfigError("data.format", "sft trains on conversations (loss on assistant tokens): set data.format=chat")
-    _use_cpu_devices(cfg.train.cpu_devices)
+    use_cpu_devices(cfg.train.cpu_devices)
     _quiet_logging()
     from composer_jax.train.loop import train
 

@@ -3,9 +3,12 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import importlib.util  # noqa: E402
+
+from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
+
+use_cpu_devices(8)  # before jax starts its backend
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

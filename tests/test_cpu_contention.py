@@ -1,0 +1,127 @@
+"""Fake CPU devices under CPU contention: a sharded job with a collective per step, dispatched far
+ahead of its execution on 8 devices pinned to 2 busy cores, finishes (XLA:CPU's pool deadlock, see
+`composer_jax.cpu_devices`), and `use_cpu_devices` keeps the user's own settings."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from composer_jax import cpu_devices
+from composer_jax.cpu_devices import use_cpu_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, ROWS, DIM, LR = 96, 64, 128, 1e-3
+BUSY_LOOPS = 3
+JOB_TIMEOUT_S = 50  # the job takes ~5-15 s on 2 loaded cores; a deadlock hangs until XLA aborts at 40 s
+
+# Runs in a subprocess so that XLA's abort of a stuck collective cannot take pytest down. No sync
+# inside the loop: every device gets more than 32 programs in flight, like an eval burst on a slow host.
+JOB = f"""
+import json, os, sys
+os.sched_setaffinity(0, json.loads(os.environ["JOB_CORES"]))
+from composer_jax.cpu_devices import use_cpu_devices
+use_cpu_devices(8)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+replicated, by_row = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+def step(w, x):  # w: [dim, dim] replicated, x: [rows, dim] sharded by row
+    g = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), replicated)  # all-gather over the 8 devices
+    return w - {LR} * (g.T @ g) / {ROWS}, jnp.mean(g)
+
+step = jax.jit(step, donate_argnums=0)
+w0, x = (np.asarray(a, np.float32) for a in json.loads(sys.stdin.read()))
+w, x = jax.device_put(w0, replicated), jax.device_put(x, by_row)
+means = []
+for _ in range({STEPS}):
+    w, m = step(w, x)
+    means.append(m)
+print(json.dumps([float(m) for m in jax.device_get(means)]))
+"""
+
+
+def _reference_means(w: np.ndarray, x: np.ndarray) -> list[float]:
+    means = []
+    for _ in range(STEPS):
+        g = np.tanh(x @ w)
+        w = w - LR * (g.T @ g) / ROWS
+        means.append(float(g.mean()))
+    return means
+
+
+@pytest.fixture
+def busy_cores():
+    """Two cores (at most) as JSON, loaded by BUSY_LOOPS Python busy loops pinned to them, killed afterwards.
+    The job is pinned there too, so the contention and XLA's core count do not depend on the host."""
+    cores = json.dumps(sorted(os.sched_getaffinity(0))[:2])
+    loop = f"import os\nos.sched_setaffinity(0, {cores})\nwhile True: pass"
+    loops = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(BUSY_LOOPS)]
+    try:
+        yield cores
+    finally:
+        for p in loops:
+            p.kill()
+        for p in loops:
+            p.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins processes to cores with sched_setaffinity")
+def test_sharded_job_finishes_on_two_busy_cores(busy_cores):
+    rng = np.random.default_rng(0)
+    w0 = (rng.standard_normal((DIM, DIM)) / np.sqrt(DIM)).astype(np.float32)
+    x = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    hidden = ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", *cpu_devices.THREAD_VARS)  # the job sets up its own devices
+    env = {k: v for k, v in os.environ.items() if k not in hidden} | {
+        "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "JOB_CORES": busy_cores}
+    try:
+        proc = subprocess.run([sys.executable, "-c", JOB], input=json.dumps([w0.tolist(), x.tolist()]), env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"the sharded job hung for {JOB_TIMEOUT_S} s (killed): {stderr[-1500:]}")
+    assert proc.returncode == 0, f"the sharded job exited {proc.returncode}: {proc.stderr[-1500:]}"
+    np.testing.assert_allclose(json.loads(proc.stdout), _reference_means(w0.astype(np.float64), x), rtol=1e-4,
+                               atol=1e-6)
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(cpu_devices, "_usable_cores", lambda: 2)
+
+
+def test_fake_devices_get_two_pool_threads_each(two_cores):
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    use_cpu_devices(8, env)
+    assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8", "PJRT_NPROC": "16"}
+
+
+def test_the_users_device_count_wins_and_sizes_the_pool(two_cores):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    use_cpu_devices(8, env)
+    assert env == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+                   "PJRT_NPROC": "8"}
+    env = {"JAX_NUM_CPU_DEVICES": "6"}
+    use_cpu_devices(8, env)
+    assert env["PJRT_NPROC"] == "12"
+
+
+@pytest.mark.parametrize("env", [{"PJRT_NPROC": "3"}, {"NPROC": "2"}, {"JAX_PLATFORMS": "cuda"},
+                                 {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}])
+def test_the_pool_is_left_alone_when_the_user_sized_it_or_it_is_not_needed(two_cores, env):
+    before = dict(env)
+    use_cpu_devices(8, env)
+    assert "PJRT_NPROC" not in env or env["PJRT_NPROC"] == before["PJRT_NPROC"]
+
+
+def test_a_host_with_two_cores_per_device_keeps_its_pool(monkeypatch):
+    monkeypatch.setattr(cpu_devices, "_usable_cores", lambda: 16)
+    env = {}
+    use_cpu_devices(8, env)
+    assert "PJRT_NPROC" not in env
