@@ -5,6 +5,9 @@ import json
 
 import numpy as np
 import pytest
+import tiktoken
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from composer_jax.config import ConfigError
 from composer_jax.data import chat, code_conversations
@@ -52,9 +55,6 @@ def test_byte_tokenizer_roundtrip():
 
 
 def test_hf_tokenizer_json(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
@@ -71,7 +71,6 @@ def test_hf_tokenizer_json(tmp_path):
 
 
 def test_tiktoken_file(tmp_path):
-    tiktoken = pytest.importorskip("tiktoken")
     ranks = {bytes([i]): i for i in range(256)}
     ranks.update({b"de": 256, b"def": 257, b"  ": 258})
     path = tmp_path / "code.tiktoken"

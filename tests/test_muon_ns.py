@@ -1,8 +1,11 @@
 """Newton-Schulz: coefficient schedules, singular-value ranges against closed forms, FLOP counts."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from composer_jax.optim import newton_schulz as ns
@@ -32,19 +35,73 @@ def _matrix(m: int, n: int, lower: float, seed: int) -> np.ndarray:
     return 3.0 * (u * t) @ v.T
 
 
-def test_presets_and_schedule_semantics():
-    np.testing.assert_array_equal(ns.coefficient_schedule("standard", 3), np.array([ns.JORDAN] * 3))
-    np.testing.assert_array_equal(ns.coefficient_schedule("jordan", 2),
-                                  ns.coefficient_schedule((3.4445, -4.775, 2.0315), 2))
-    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 5), np.array(ns.DION))
-    # A schedule runs in order: truncated to ns_steps, its last row repeated beyond its length.
-    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 3), np.array(ns.DION[:3]))
-    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 7)[5:], np.array([ns.DION[-1]] * 2))
-    # Polar Express: the paper's rows with the 1.01 safety folded in (twice for the first: normalisation).
-    pe, paper, f = ns.coefficient_schedule("polar_express", 5), np.array(ns.POLAR_EXPRESS_PAPER[:5]), 1.01
-    np.testing.assert_allclose(pe[0], paper[0] / np.array([f, f ** 3, f ** 5]) ** 2, rtol=1e-15)
-    np.testing.assert_allclose(pe[1:4], paper[1:4] / np.array([f, f ** 3, f ** 5]), rtol=1e-15)
-    np.testing.assert_array_equal(pe[4], paper[4])
+# optax's own coefficient sets (optax.contrib._muon): 'standard' (Jordan's quintic, also muon's default)
+# and 'dion' (5 steps).
+OPTAX_PRESETS = optax.contrib._muon._NS_COEFFS_PRESET_DICT
+# Polar Express, as published: Amsel, Persson, Musco, Gower, "The Polar Express", arXiv 2505.16932,
+# Algorithm 1 (github.com/NoahAmsel/PolarExpress): degree 5, l = 1e-3; later steps repeat the last row.
+PAPER_POLAR_EXPRESS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+PAPER_SAFETY = 1.01   # Algorithm 1 / section 4.4: p(x) -> p(x / 1.01), and X / (||X||_F * 1.01 + 1e-7)
+
+
+def _shrunk(row):
+    """Coefficients of x -> p(x / 1.01)."""
+    return np.asarray(row, np.float64) / np.array([PAPER_SAFETY, PAPER_SAFETY ** 3, PAPER_SAFETY ** 5])
+
+
+def _paper_polar_express(g: np.ndarray, steps: int) -> np.ndarray:
+    """The paper's Algorithm 1 on one matrix, in float64."""
+    coeffs = [_shrunk(row) for row in PAPER_POLAR_EXPRESS[:-1]] + [np.asarray(PAPER_POLAR_EXPRESS[-1])]
+    wide = g.shape[0] > g.shape[1]
+    x = g.T if wide else g
+    x = x / (np.linalg.norm(x) * PAPER_SAFETY + 1e-7)
+    for a, b, c in coeffs[:steps] + [coeffs[-1]] * max(0, steps - len(coeffs)):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if wide else x
+
+
+def test_presets_match_optax():
+    default = inspect.signature(optax.contrib.muon).parameters["ns_coeffs"].default
+    np.testing.assert_array_equal(ns.coefficient_schedule("standard", 3), np.array([default] * 3))
+    np.testing.assert_array_equal(ns.coefficient_schedule("jordan", 2), np.array([OPTAX_PRESETS["standard"]] * 2))
+    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 5), np.array(OPTAX_PRESETS["dion"]))
+    assert set(OPTAX_PRESETS) <= set(ns.PRESETS)
+
+
+def test_schedule_semantics():
+    """A schedule runs in order: truncated to ns_steps, its last row repeated beyond its length."""
+    dion = np.array(OPTAX_PRESETS["dion"])
+    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 3), dion[:3])
+    np.testing.assert_array_equal(ns.coefficient_schedule("dion", 7), np.concatenate([dion, dion[-1:], dion[-1:]]))
+    rows = ((1.0, 2.0, 3.0), (4.0, 5.0, 6.0))
+    np.testing.assert_array_equal(ns.coefficient_schedule(rows, 3), np.array(rows + rows[-1:]))
+    np.testing.assert_array_equal(ns.coefficient_schedule(rows[0], 2), np.array(rows[:1] * 2))
+
+
+def test_polar_express_follows_the_paper():
+    """8 steps (the paper's whole list): Algorithm 1's polynomials, the normalisation's 1.01 folded into
+    the first; fewer steps: the prefix (greedy is optimal for every prefix, their Thm 4.1) with the
+    safety factor omitted in the final iteration (section 4.4). Numerically: Algorithm 1 in float64."""
+    algorithm1 = np.array([_shrunk(row) for row in PAPER_POLAR_EXPRESS[:-1]] + [PAPER_POLAR_EXPRESS[-1]])
+    want = algorithm1.copy()
+    want[0] = _shrunk(want[0])                       # X / (1.01 ||X||): p_1(x / 1.01) once more
+    np.testing.assert_allclose(ns.coefficient_schedule("polar_express", 8), want, rtol=1e-15)
+    want5 = np.concatenate([want[:4], [PAPER_POLAR_EXPRESS[4]]])
+    np.testing.assert_allclose(ns.coefficient_schedule("polar_express", 5), want5, rtol=1e-15)
+
+    g = np.random.default_rng(3).standard_normal((40, 24))
+    ours = ns.newton_schulz(jnp.asarray(g, jnp.float32), ns.coefficient_schedule("polar_express", 8))
+    np.testing.assert_allclose(np.asarray(ours, np.float64), _paper_polar_express(g, 8), atol=2e-6)
 
 
 @pytest.mark.parametrize("bad, steps, match", [

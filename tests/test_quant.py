@@ -1,7 +1,8 @@
 """Quantized checkpoints: K2.5 INT4 (compressed-tensors pack-quantized) and DeepSeek FP8 blocks.
 
-The packers and the numpy dequantization references below are written here from the format
-description (shared/reference/kimi_arch.md section 3), independently of composer_jax.checkpoint.quant.
+The packers and the numpy dequantization references below are written here from each format's
+published description, independently of composer_jax.checkpoint.quant: compressed-tensors' own packing
+code for INT4, DeepSeek-V3's block-scale description for FP8.
 A tiny random model is quantized, converted, exported back as float32 and compared bit for bit with
 the reference dequantization; its logits are compared with transformers' on the dequantized weights.
 """
@@ -29,6 +30,37 @@ FP8_BLOCK = (16, 8)  # not square and smaller than the tiny weights, so blocks t
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK)}
 
 
+# INT4 as compressed-tensors publishes it (vllm-project/compressed-tensors,
+# compressors/quantized_compressors/pack_quantized.py `pack_to_int32` / `unpack_from_int32` with
+# packed_dim=1, and quantization/lifecycle/forward_helpers.py `_process_group`): a value v in [-8, 7] is
+# stored as the unsigned nibble v + 2**(bits-1); the 32 // bits values of inputs 8j..8j+7 sit in int32
+# column j, input 8j + i in bits 4i..4i+3; padding past the last input is zero. Symmetric groups of
+# `group_size` consecutive inputs share a scale: W[o, i] = v[o, i] * scale[o, i // group_size].
+NUM_BITS = 4
+PACK_FACTOR = 32 // NUM_BITS
+OFFSET = 1 << (NUM_BITS - 1)
+
+
+def pack_to_int32(values):
+    """int8 [rows, cols] in [-8, 7] -> int32 [rows, ceil(cols / 8)]."""
+    rows, cols = values.shape
+    padded = np.zeros((rows, -(-cols // PACK_FACTOR) * PACK_FACTOR), np.int64)
+    padded[:, :cols] = values.astype(np.int64) + OFFSET
+    shifts = np.arange(PACK_FACTOR, dtype=np.int64) * NUM_BITS
+    packed = (padded.reshape(rows, -1, PACK_FACTOR) << shifts).sum(axis=2)  # < 2**32: no carries
+    return packed.astype(np.uint32).view(np.int32)
+
+
+def unpack_from_int32(packed, cols):
+    """int32 [rows, n] -> int8 [rows, cols]."""
+    mask = (1 << NUM_BITS) - 1
+    bits = packed.astype(np.int64) & 0xFFFFFFFF
+    unpacked = np.zeros((packed.shape[0], packed.shape[1] * PACK_FACTOR), np.int64)
+    for i in range(PACK_FACTOR):
+        unpacked[:, i::PACK_FACTOR] = (bits >> (NUM_BITS * i)) & mask
+    return (unpacked[:, :cols] - OFFSET).astype(np.int8)
+
+
 def pack_int4(w, group=32):
     """float [out, in] -> (int32 [out, ceil(in/8)] packed, bf16 [out, ceil(in/group)] scales)."""
     out, n = w.shape
@@ -37,22 +69,16 @@ def pack_int4(w, group=32):
     padded[:, :n] = w
     scale = (np.abs(padded.reshape(out, groups, group)).max(-1) / 7).astype(BF16)
     s = np.repeat(np.where(scale == 0, 1, scale).astype(np.float32), group, axis=1)
-    q = np.clip(np.rint(padded / s), -8, 7).astype(np.int64)[:, :n]
-    nibbles = np.zeros((out, -(-n // 8) * 8), np.uint32)
-    nibbles[:, :n] = q + 8
-    packed = np.zeros((out, nibbles.shape[1] // 8), np.uint32)
-    for k in range(8):
-        packed |= nibbles[:, k::8] << np.uint32(4 * k)
-    return packed.view(np.int32), scale
+    values = np.clip(np.rint(padded / s), -8, 7).astype(np.int8)[:, :n]
+    return pack_to_int32(values), scale
 
 
 def ref_dequant_int4(packed, scale, shape, group=32):
+    """float32 [out, in]: exact (4-bit value x bf16 scale fits float32; compressed-tensors' torch path
+    multiplies in the scale's dtype, which would round to bf16)."""
     out, n = shape
-    u = packed.view(np.uint32)
-    q = np.empty((out, u.shape[1] * 8), np.float32)
-    for k in range(8):
-        q[:, k::8] = ((u >> np.uint32(4 * k)) & np.uint32(0xF)).astype(np.float32) - 8
-    return q[:, :n] * np.repeat(scale.astype(np.float32), group, axis=1)[:, :n]
+    values = unpack_from_int32(packed, n).astype(np.float64)
+    return (values * np.repeat(scale.astype(np.float64), group, axis=1)[:, :n]).astype(np.float32)
 
 
 def quant_fp8(w, block=FP8_BLOCK):
@@ -79,6 +105,21 @@ def test_int4_nibble_order_and_offset():
     np.testing.assert_array_equal(got, [np.arange(-8, 8, dtype=np.float32)])
     got = dequant_int4(packed, np.array([[0.5]], BF16), 12, 32)  # cropped to 12 inputs, scaled
     np.testing.assert_array_equal(got, [0.5 * np.arange(-8, 4, dtype=np.float32)])
+
+
+@pytest.mark.parametrize("rows, cols, group", [(3, 64, 32), (4, 20, 32), (2, 100, 32), (2, 256, 128), (5, 48, 16)])
+def test_int4_dequant_matches_the_published_decoder(rows, cols, group):
+    """Random int32 words (every nibble pattern, the sign bit, non-zero padding nibbles) and random
+    signed bf16 scales: our dequantization equals compressed-tensors' unpack-and-scale bit for bit, and
+    values packed by compressed-tensors' packer come back unchanged."""
+    rng = np.random.default_rng(cols)
+    packed = rng.integers(-2 ** 31, 2 ** 31, size=(rows, -(-cols // 8)), dtype=np.int64).astype(np.int32)
+    scale = rng.uniform(-0.05, 0.05, size=(rows, -(-cols // group))).astype(BF16)
+    np.testing.assert_array_equal(dequant_int4(packed, scale, cols, group),
+                                  ref_dequant_int4(packed, scale, (rows, cols), group))
+    values = rng.integers(-8, 8, size=(rows, cols)).astype(np.int8)
+    ones = np.ones((rows, -(-cols // group)), BF16)
+    np.testing.assert_array_equal(dequant_int4(pack_to_int32(values), ones, cols, group), values)
 
 
 def _tiny_hf(tmp_path):

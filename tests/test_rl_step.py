@@ -6,10 +6,12 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from composer_jax import CausalLM, load_config
+from composer_jax.optim.plan import dimension_numbers, pure
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
 from composer_jax.rl.objective import loss_terms
@@ -190,10 +192,31 @@ def test_step_on_policy_adam(model):
 
 
 @pytest.mark.slow
-def test_step_with_muon(model):
-    cfg = RLConfig(group_size=G, optimizer=replace(rl_optimizer(), name="muon", lr=1e-3))
-    _, before, new_state, metrics = _run_step(model, cfg, _batch())
-    assert np.isfinite(metrics["loss"])
-    moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before),
-                                                             strict=True)]
-    assert 0 < max(moved) < 1
+def test_step_with_muon_matches_optax(model):
+    """One Muon RL step moves every parameter by optax's update: the step's own gradient, clipped by
+    optax.clip_by_global_norm (the bound is half the gradient's norm, so clipping acts), then
+    optax.contrib.muon with the same settings and the dimension numbers of the params' metadata."""
+    batch = _batch()
+    probe = RLStep(model, RLConfig(group_size=G))
+    state = probe.init_state(model)
+    (_, _), grads = jax.jit(lambda st, b: loss_and_grads(probe.graphdef, probe.rest, st, b, probe.cfg))(state, batch)
+    grads = jax.tree.map(np.asarray, pure(grads))
+    norm = float(np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(grads))))
+    opt = replace(rl_optimizer(), name="muon", lr=1e-3, weight_decay=0.1, max_grad_norm=norm / 2)
+    _, before, new_state, metrics = _run_step(model, RLConfig(group_size=G, optimizer=opt), batch)
+    assert metrics["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+    params = pure(nnx.state(model, nnx.Param))
+    ref = optax.chain(optax.clip_by_global_norm(opt.max_grad_norm),
+                      optax.contrib.muon(opt.lr, weight_decay=opt.weight_decay, eps=opt.eps, adam_b1=opt.b1,
+                                         adam_b2=opt.b2, muon_weight_dimension_numbers=pure(dimension_numbers(
+                                             nnx.state(model, nnx.Param)))))
+    updates_ref, _ = jax.jit(ref.update)(grads, ref.init(params), params)
+    moved = jax.tree_util.tree_flatten_with_path(pure(new_state.params))[0]
+    assert len(moved) == len(jax.tree.leaves(updates_ref)) == len(jax.tree.leaves(before))
+    for (path, new), old, want in zip(moved, jax.tree.leaves(before), jax.tree.leaves(updates_ref), strict=True):
+        # New params = old + optax's update, to 1e-4 of the update plus float32 rounding of the sum (the
+        # MTP leaves, which the RL loss leaves without gradient, move by weight decay alone: ~1e-6).
+        want = np.asarray(want)
+        error = np.abs(np.asarray(new) - (old + want)).max()
+        assert error <= 1e-4 * np.abs(want).max() + 2 * np.spacing(np.abs(old).max()), jax.tree_util.keystr(path)
