@@ -303,6 +303,49 @@ def _add_plot(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# tasks check
+
+
+def _run_tasks_check(args) -> int:
+    import time
+
+    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError, check_tasks, load_task, summary_line
+
+    start = time.monotonic()
+    try:
+        tasks = [load_task(d) for d in args.task_dirs]
+        results = check_tasks(tasks, Sandbox(args.backend), solution=args.solution, workers=args.workers)
+    except (TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks check: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    lines = [json.dumps(r.to_json()) for r in results]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+    else:
+        print("\n".join(lines))
+    print(summary_line(results, time.monotonic() - start))
+    return 0
+
+
+def _add_tasks(sub) -> None:
+    p = sub.add_parser("tasks", help="coding tasks: validate and check (reward from tests in the sandbox)")
+    tasks_sub = p.add_subparsers(dest="tasks_command", required=True, metavar="command")
+    c = tasks_sub.add_parser("check", help="run each task's tests in the sandbox and report its reward",
+                             description="Validate TASK_DIRs, run their test commands in the sandbox on copies of "
+                                         "repo/ and print one JSON object per task (task, reward, passed, failed, "
+                                         "status, seconds) and a summary line. Task directories are never modified.")
+    c.add_argument("task_dirs", nargs="+", metavar="TASK_DIR")
+    c.add_argument("--solution", action="store_true", help="apply solution.patch to the copy first")
+    c.add_argument("--json", default=None, metavar="OUT", help="write the JSON lines to OUT instead of stdout")
+    c.add_argument("--workers", type=_positive_int, default=1, help="tasks checked at once (default 1)")
+    c.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    c.set_defaults(run=_run_tasks_check)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_convert(sub)
     _add_export(sub)
+    _add_tasks(sub)
     return parser
 
 
