@@ -232,7 +232,7 @@ def _check_arguments(spec: ToolSpec, raw: RawCall) -> tuple[dict | None, CallErr
     for n, value in args.items():
         want = spec.params[n].type
         if not isinstance(value, JSON_TYPES[want]) or (want != "boolean" and isinstance(value, bool)):
-            return fail(WRONG_TYPE, f"argument {n} must be a {want}, got {type(value).__name__} {value!r:.40}")
+            return fail(WRONG_TYPE, f"argument {n} must be of type {want}, got {type(value).__name__} {value!r:.40}")
     return args, None
 
 
