@@ -203,6 +203,19 @@ def test_tool_failures_flags_and_limits(sandbox, example_task):
     assert not env.workspace.exists()
 
 
+def test_special_files_do_not_block_the_tools(sandbox, example_task):
+    fmt = PlainFormat()
+    env = CodingEnv(sandbox, fmt)
+    env.reset(example_task)
+    obs, _, info = env.step(fmt.render_call("run", {"command": "mkfifo pipe && echo made"}))
+    assert "made" in obs[0]["content"]
+    obs, _, info = env.step(fmt.render_call("write_file", {"path": "pipe", "content": "x"}))
+    assert "not a regular file" in obs[0]["content"] and info["flags"] == []
+    obs, _, _ = env.step(fmt.render_call("search", {"pattern": "scaled"}))
+    assert "mathops.py:5:" in obs[0]["content"]
+    env.close()
+
+
 def test_every_flag_kind_has_a_hint():
     assert set(HINT_BUILDERS) == set(FLAG_KINDS)
     ctx = CodingEnv.__new__(CodingEnv)

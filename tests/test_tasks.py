@@ -3,6 +3,7 @@
 import difflib
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,10 +160,11 @@ def test_solution_and_graded_workspaces(sandbox, tmp_path):
     # An agent that rewrites the tests and adds a conftest.py earns nothing: the tests are restored.
     agent = tmp_path / "agent"
     subprocess.run(["cp", "-r", str(task.repo), str(agent)], check=True)
-    (agent / "tests" / "test_mathops.py").write_text("def test_scaled_sum_small():\n    pass\n\n\n"
-                                                    "def test_scaled_sum_negative():\n    pass\n")
+    (agent / "tests" / "test_mathops.py").write_text("".join(f"def test_{name}():\n    pass\n\n\n" for name in
+                                                             ("double", "scaled_sum_small", "scaled_sum_negative")))
     (agent / "conftest.py").write_text("import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\n"
                                        "def pytest_runtest_call(item):\n    pass\n")
+    os.mkfifo(agent / "pipe")        # special files are not copied (a FIFO would block a naive copy)
     agent_digest = tree_digest(agent)
     assert check_task(task, sandbox, workspace=agent).reward == 0.0
     # The same tampering plus the real fix: the task's own tests pass.

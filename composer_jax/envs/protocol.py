@@ -48,11 +48,11 @@ class ToolSpec:
 
     def schema(self) -> dict:
         """The OpenAI-style function schema (what Kimi's `tool_declare` message lists)."""
+        properties = {n: {"type": p.type, "description": p.description} for n, p in self.params.items()}
+        required = [n for n, p in self.params.items() if p.required]
         return {"type": "function", "function": {
             "name": self.name, "description": self.description,
-            "parameters": {"type": "object",
-                           "properties": {n: {"type": p.type, "description": p.description} for n, p in self.params.items()},
-                           "required": [n for n, p in self.params.items() if p.required]}}}
+            "parameters": {"type": "object", "properties": properties, "required": required}}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,8 @@ class RewardConfig:
     length_weight: Schedule = Schedule()
     length_k: float = 1e-3
     length_q: float = 0.5
-    length_tokens: float = 1.0       # x = length_tokens * generated tokens + length_calls * calls + length_turns * turns
+    # x = length_tokens * generated tokens + length_calls * tool calls + length_turns * turns
+    length_tokens: float = 1.0
     length_calls: float = 0.0
     length_turns: float = 0.0
 

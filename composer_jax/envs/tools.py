@@ -112,13 +112,13 @@ class WorkspaceTools:
         if start_line < 1 or end < start_line - 1:
             raise ToolError(f"bad line range {start_line}..{end} (the file has {len(lines)} lines)")
         width = len(str(max(end, 1)))
-        return ToolOutcome("\n".join(f"{i:>{width}}| {lines[i - 1]}" for i in range(start_line, min(end, len(lines)) + 1))
-                           or "(no lines in range)")
+        shown = range(start_line, min(end, len(lines)) + 1)
+        return ToolOutcome("\n".join(f"{i:>{width}}| {lines[i - 1]}" for i in shown) or "(no lines in range)")
 
     def _write_file(self, path: str, content: str) -> ToolOutcome:
         target = self._path(path)
-        if target.is_dir():
-            raise ToolError(f"{path!r} is a directory")
+        if target.exists() and not target.is_file():
+            raise ToolError(f"{path!r} exists and is not a regular file")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
         rel = self._rel(target)
@@ -145,7 +145,7 @@ class WorkspaceTools:
         target = self._path(path)
         hits, more = [], 0
         for file in [target] if target.is_file() else _walk(target):
-            if file.is_symlink():
+            if file.is_symlink() or not file.is_file():
                 continue
             try:
                 lines = file.read_text(encoding="utf-8").splitlines()

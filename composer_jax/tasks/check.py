@@ -9,6 +9,7 @@ apply; status `error` when target tests were expected but pytest wrote no report
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 from collections.abc import Sequence
@@ -50,7 +51,8 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
     task's tests. With a workspace, the task's test files are restored first. `solution`: apply
     solution.patch first. Nothing of the task directory or of `workspace` is modified."""
     start = time.monotonic()
-    limits = dataclasses.replace(limits or sandbox.limits, wall_s=task.timeout_s)
+    limits = dataclasses.replace(limits or sandbox.limits, wall_s=task.timeout_s,
+                                 cpu_s=max((limits or sandbox.limits).cpu_s, math.ceil(task.timeout_s)))
     done = lambda reward, status, **kw: CheckResult(task.id, reward, status=status,  # noqa: E731
                                                     seconds=time.monotonic() - start, **kw)
     with tempfile.TemporaryDirectory(prefix=f"composer_jax-check-{task.id}-") as tmp:
@@ -81,7 +83,8 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
         reward = 0.0
     status = "ok"
     if report is None and (task.target_tests or task.pass_to_pass):
-        status, detail = "error", f"pytest wrote no report ({result.describe()}): {_tail(result.stdout + result.stderr)}"
+        status = "error"
+        detail = f"pytest wrote no report ({result.describe()}): {_tail(result.stdout + result.stderr)}"
     return done(reward, status, passed=passed, failed=failed, exit_code=result.exit_code, detail=detail)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import stat
 from pathlib import Path, PurePosixPath
 
 from composer_jax.sandbox import Limits, RunResult, Sandbox
@@ -24,9 +25,23 @@ RUNNER_FILES = ("pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecus
                 "*.pth")
 
 
+_never_copied = shutil.ignore_patterns(*NEVER_COPIED)
+
+
+def _not_copied(directory: str, names: list[str]) -> set[str]:
+    """History, caches, bytecode, and special files (a FIFO would block the copy, a socket fails it)."""
+    skip = set(_never_copied(directory, names))
+    for name in names:
+        mode = os.lstat(os.path.join(directory, name)).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            skip.add(name)
+    return skip
+
+
 def copy_repo(src: Path, dst: Path) -> Path:
-    """Copy repo `src` to a new directory `dst` without history, caches or bytecode; returns dst."""
-    shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(*NEVER_COPIED))
+    """Copy repo `src` to a new directory `dst` without history, caches, bytecode or special files (symlinks
+    are copied as links); returns dst."""
+    shutil.copytree(src, dst, symlinks=True, ignore=_not_copied)
     return dst
 
 
