@@ -5,6 +5,8 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,14 @@ BYTES = ByteTokenizer()
 @pytest.fixture(scope="module")
 def sandbox():
     return Sandbox()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workspaces():
+    """Episodes delete their workspaces (graded, closed or left through the context manager)."""
+    before = set(Path(tempfile.gettempdir()).glob("composer_jax-*"))
+    yield
+    assert set(Path(tempfile.gettempdir()).glob("composer_jax-*")) <= before
 
 
 @pytest.fixture
@@ -127,6 +137,7 @@ def test_scripted_policy_solves_a_task_and_converts_to_a_rollout_batch(sandbox, 
         history = list(ep.tokens)
         observations.append((BYTES.decode(new), info["flags"]))
     assert done and info["task_reward"] == 1.0 and ep.reward == 1.0 and info["check"]["status"] == "ok"
+    assert not env.workspace.exists()
     assert "mathops.py" in observations[0][0] and "6|     \"\"\"Return 3 * a + b.\"\"\"" in observations[1][0]
     unknown_obs, unknown_flags = observations[2]
     assert "error: unknown tool 'grep'" in unknown_obs
@@ -157,16 +168,15 @@ def test_scripted_policy_solves_a_task_and_converts_to_a_rollout_batch(sandbox, 
 
 
 def test_sampled_ids_are_kept_even_when_they_do_not_survive_decoding(sandbox, example_task):
-    env = CodingEnv(sandbox, PlainFormat())
-    ep = TokenEpisode(env, BYTES)
-    ep.start(example_task)
-    sampled = np.concatenate([BYTES.encode("thinking "), [0xFF, 0xFE], BYTES.encode("<|im_end|>")])
-    assert BYTES.encode(BYTES.decode(sampled)).tolist() != sampled.tolist()   # re-tokenising would change them
-    start = len(ep.tokens)
-    new, done, info = ep.step(sampled)
-    assert ep.tokens[start:start + len(sampled)] == sampled.tolist() and not done
-    assert [f.kind for f in info["flags"]] == ["no_action"] and "No tool call found" in BYTES.decode(new)
-    env.close()
+    with CodingEnv(sandbox, PlainFormat()) as env:
+        ep = TokenEpisode(env, BYTES)
+        ep.start(example_task)
+        sampled = np.concatenate([BYTES.encode("thinking "), [0xFF, 0xFE], BYTES.encode("<|im_end|>")])
+        assert BYTES.encode(BYTES.decode(sampled)).tolist() != sampled.tolist()  # re-tokenising changes them
+        start = len(ep.tokens)
+        new, done, info = ep.step(sampled)
+        assert ep.tokens[start:start + len(sampled)] == sampled.tolist() and not done
+        assert [f.kind for f in info["flags"]] == ["no_action"] and "No tool call found" in BYTES.decode(new)
 
 
 def test_tool_failures_flags_and_limits(sandbox, example_task):
@@ -199,21 +209,19 @@ def test_tool_failures_flags_and_limits(sandbox, example_task):
     out, flags, done, info = step("search", {"pattern": "("})
     assert "bad regular expression" in out and done                       # max_turns = 9 ends the episode
     assert info["task_reward"] == 0.0 and info["failed_calls"] == 5      # graded with the tests restored
-    env.close()
-    assert not env.workspace.exists()
+    assert not env.workspace.exists()                                    # deleted once graded
 
 
 def test_special_files_do_not_block_the_tools(sandbox, example_task):
     fmt = PlainFormat()
-    env = CodingEnv(sandbox, fmt)
-    env.reset(example_task)
-    obs, _, info = env.step(fmt.render_call("run", {"command": "mkfifo pipe && echo made"}))
-    assert "made" in obs[0]["content"]
-    obs, _, info = env.step(fmt.render_call("write_file", {"path": "pipe", "content": "x"}))
-    assert "not a regular file" in obs[0]["content"] and info["flags"] == []
-    obs, _, _ = env.step(fmt.render_call("search", {"pattern": "scaled"}))
-    assert "mathops.py:5:" in obs[0]["content"]
-    env.close()
+    with CodingEnv(sandbox, fmt) as env:
+        env.reset(example_task)
+        obs, _, info = env.step(fmt.render_call("run", {"command": "mkfifo pipe && echo made"}))
+        assert "made" in obs[0]["content"]
+        obs, _, info = env.step(fmt.render_call("write_file", {"path": "pipe", "content": "x"}))
+        assert "not a regular file" in obs[0]["content"] and info["flags"] == []
+        obs, _, _ = env.step(fmt.render_call("search", {"pattern": "scaled"}))
+        assert "mathops.py:5:" in obs[0]["content"]
 
 
 def test_every_flag_kind_has_a_hint():

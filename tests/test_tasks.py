@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,13 @@ def write_task(root: Path, files: dict, *, targets=(), keep=(), command=FAST_PYT
 @pytest.fixture(scope="module")
 def sandbox():
     return Sandbox()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_copies():
+    before = set(Path(tempfile.gettempdir()).glob("composer_jax-*"))
+    yield
+    assert set(Path(tempfile.gettempdir()).glob("composer_jax-*")) <= before
 
 
 def tree_digest(root: Path) -> str:

@@ -6,7 +6,9 @@
 
 A turn's tool calls are carried out in order (up to `submit`); parse errors become error results. The
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
-(restored first) and `info["task_reward"]` holds the check's reward. `close()` deletes the workspace.
+(restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted. An
+episode abandoned before its end keeps its workspace until `close()`, the next `reset()`, or the end of
+a `with CodingEnv(...) as env:` block.
 """
 
 from __future__ import annotations
@@ -119,7 +121,14 @@ class CodingEnv:
         if self.done:
             check = check_task(self.task, self.sandbox, workspace=self.workspace)
             info.update(task_reward=check.reward, check=check.to_json(), **self.stats, turns=self.turn)
+            self.close()
         return observation, self.done, info
+
+    def __enter__(self) -> CodingEnv:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Delete the episode's workspace (also done by the next reset)."""
