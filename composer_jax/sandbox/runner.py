@@ -146,6 +146,9 @@ class Sandbox:
             raise SandboxError(f"sandbox backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = backend
         self.limits = limits or Limits()
+        if shutil.which("prlimit") is None:
+            raise SandboxUnavailable("no `prlimit` on PATH (util-linux): the sandbox sets CPU and file-size limits "
+                                     "with it")
         if backend == "bwrap":
             self._bwrap = find_bwrap()
             _probe_bwrap(self._bwrap)
