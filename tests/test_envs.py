@@ -79,6 +79,11 @@ def test_kimi_format_special_tokens_and_tolerance():
             '<|tool_call_end|><|tool_call_begin|>run:1<|tool_call_argument_begin|>{"command": "ls"}')
     parsed = parse_turn(text, fmt, TOOLS)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("list_dir", {}), ("run", {"command": "ls"})]
+    declared = fmt.message(**fmt.tools_message(TOOLS))
+    assert declared.startswith("<|im_system|>tool_declare<|im_middle|>[{") and declared.endswith("}]<|im_end|>")
+    assert [t["function"]["name"] for t in json.loads(declared.split("<|im_middle|>")[1][:-10])] == list(TOOL_NAMES)
+    result = fmt.message("tool", "ok", "functions.run:2")
+    assert result == "<|im_system|>tool<|im_middle|>## Return of functions.run:2\nok<|im_end|>"
     bad = parse_turn('<|tool_calls_section_begin|><|tool_call_begin|>no index here<|tool_call_argument_begin|>{}'
                      '<|tool_call_end|><|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>{"command": '
                      '<|tool_call_end|><|tool_calls_section_end|>', fmt, TOOLS)

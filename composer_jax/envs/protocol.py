@@ -176,7 +176,8 @@ class KimiFormat(ToolFormat):
     def message(self, role, content, name=None):
         if role == "tool":  # tool results: a system message named `tool`, headed by the call id
             return f"<|im_system|>tool<|im_middle|>## Return of {name}\n{content}<|im_end|>"
-        return f"{self._ROLE_TOKEN[role]}{role}<|im_middle|>{content}<|im_end|>"
+        label = name if role == "system" and name else role   # e.g. the `tool_declare` system message
+        return f"{self._ROLE_TOKEN[role]}{label}<|im_middle|>{content}<|im_end|>"
 
     def generation_prompt(self):
         return "<|im_assistant|>assistant<|im_middle|>"
