@@ -329,8 +329,38 @@ def _run_tasks_check(args) -> int:
     return 0
 
 
+def _run_feature_deletion(args) -> int:
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable
+    from composer_jax.tasks.feature_deletion import (FeatureDeletionConfig, FeatureDeletionError, generate_tasks,
+                                                     summary)
+
+    try:
+        config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
+                                       test_command=args.test_command, timeout_s=args.timeout,
+                                       min_lines=args.min_lines, backend=args.backend)
+        report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
+    except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary(report))
+    print(f"report: {os.path.join(args.out_dir, 'report.json')}")
+    return 0
+
+
+def _run_tasks_list(args) -> int:
+    from composer_jax.tasks import TaskError
+    from composer_jax.tasks.listing import find_tasks, task_table
+
+    try:
+        print(task_table(find_tasks(args.out_dir)))
+    except TaskError as e:
+        print(f"composer-jax tasks list: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def _add_tasks(sub) -> None:
-    p = sub.add_parser("tasks", help="coding tasks: validate and check (reward from tests in the sandbox)")
+    p = sub.add_parser("tasks", help="coding tasks: generate, list and check (reward from tests in the sandbox)")
     tasks_sub = p.add_subparsers(dest="tasks_command", required=True, metavar="command")
     c = tasks_sub.add_parser("check", help="run each task's tests in the sandbox and report its reward",
                              description="Validate TASK_DIRs, run their test commands in the sandbox on copies of "
@@ -343,6 +373,31 @@ def _add_tasks(sub) -> None:
     c.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
                    help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
     c.set_defaults(run=_run_tasks_check)
+    f = tasks_sub.add_parser("feature-deletion", help="make tasks from a repository by deleting tested features",
+                             description="Run REPO_DIR's pytest suite in the sandbox with tracing, delete one "
+                                         "function, method or class per task (the module still imports), keep the "
+                                         "task if the tests that ran it now fail, the others still pass and "
+                                         "solution.patch restores them; write OUT_DIR/<id>/{repo/, task.json, "
+                                         "solution.patch} and OUT_DIR/report.json. REPO_DIR is only read.")
+    f.add_argument("repo_dir", metavar="REPO_DIR")
+    f.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
+    f.add_argument("--max-tasks", type=_positive_int, default=20, help="stop after keeping this many (default 20)")
+    f.add_argument("--workers", type=_positive_int, default=1, help="candidates checked at once (default 1)")
+    f.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
+    f.add_argument("--test-command", default=None,
+                   help="pytest command run from the repository root (default: python -m pytest -q without plugin "
+                        "autoload, PYTHONPATH=src for a src/ layout)")
+    f.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
+    f.add_argument("--min-lines", type=_positive_int, default=3,
+                   help="lines of code a deletion must remove, at least (default 3)")
+    f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    f.set_defaults(run=_run_feature_deletion)
+    t = tasks_sub.add_parser("list", help="table of the tasks in a directory",
+                             description="Print id, target tests, deleted lines and pass rate of every task "
+                                         "directory under OUT_DIR.")
+    t.add_argument("out_dir", metavar="OUT_DIR")
+    t.set_defaults(run=_run_tasks_list)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -77,10 +77,13 @@ def no_leftover_copies():
 
 
 def tree_digest(root: Path) -> str:
+    """Names, contents, symlink targets and modes of everything under root (hidden files included)."""
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
+        h.update(f"{p.relative_to(root)} {p.lstat().st_mode:o}".encode())
+        if p.is_symlink():
+            h.update(os.readlink(p).encode())
+        elif p.is_file():
             h.update(p.read_bytes())
     return h.hexdigest()
 

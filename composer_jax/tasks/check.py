@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from composer_jax.sandbox import Limits, Sandbox, run_parallel
+from composer_jax.sandbox import Limits, RunResult, Sandbox, run_parallel
 from composer_jax.tasks.format import Task
 from composer_jax.tasks.junit import PASSED, outcomes_for, read_report
 from composer_jax.tasks.workspace import apply_patch, copy_repo, restore_tests
@@ -41,8 +41,27 @@ class CheckResult:
                 "detail": self.detail}
 
 
-def _tail(text: str, lines: int = 5) -> str:
+def tail(text: str, lines: int = 5) -> str:
+    """The last lines of a command's output on one line."""
     return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def limits_for(timeout_s: float, sandbox: Sandbox, limits: Limits | None = None) -> Limits:
+    """`limits` (default: the sandbox's) with the wall time, and at least as much CPU time, of a test run."""
+    limits = limits or sandbox.limits
+    return dataclasses.replace(limits, wall_s=timeout_s, cpu_s=max(limits.cpu_s, math.ceil(timeout_s)))
+
+
+def run_pytest(sandbox: Sandbox, repo: Path, command: str, limits: Limits, *, addopts: str = "",
+               env: dict[str, str] | None = None) -> tuple[RunResult, dict[tuple[str, str], str] | None]:
+    """Run a pytest `command` in the sandbox in `repo` (written to: pass a copy) with pytest writing its
+    JUnit report there (and no cache); returns the run and the report's outcomes (None: no report).
+    `addopts`: more pytest options; `env`: more environment variables."""
+    (repo / REPORT_NAME).unlink(missing_ok=True)  # only pytest's own report counts
+    inside = sandbox.workspace_path or str(repo)
+    options = f"--junitxml={inside}/{REPORT_NAME} --rootdir={inside} -p no:cacheprovider {addopts}".strip()
+    result = sandbox.run(command, repo, limits=limits, env={**(env or {}), "PYTEST_ADDOPTS": options})
+    return result, read_report(repo / REPORT_NAME)
 
 
 def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, solution: bool = False,
@@ -51,24 +70,19 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
     task's tests. With a workspace, the task's test files are restored first. `solution`: apply
     solution.patch first. Nothing of the task directory or of `workspace` is modified."""
     start = time.monotonic()
-    limits = dataclasses.replace(limits or sandbox.limits, wall_s=task.timeout_s,
-                                 cpu_s=max((limits or sandbox.limits).cpu_s, math.ceil(task.timeout_s)))
+    limits = limits_for(task.timeout_s, sandbox, limits)
     done = lambda reward, status, **kw: CheckResult(task.id, reward, status=status,  # noqa: E731
                                                     seconds=time.monotonic() - start, **kw)
     with tempfile.TemporaryDirectory(prefix=f"composer_jax-check-{task.id}-") as tmp:
         repo = copy_repo(workspace or task.repo, Path(tmp) / "repo")
-        (repo / REPORT_NAME).unlink(missing_ok=True)  # only pytest's own report counts
         if workspace is not None:
             restore_tests(task.repo, repo, task.test_paths)
         if solution:
             applied = apply_patch(sandbox, repo, task.solution_patch, limits)
             if not applied.ok:
                 return done(0.0, "patch_failed", passed=(), failed=task.target_tests + task.pass_to_pass,
-                            exit_code=applied.exit_code, detail=f"git apply: {_tail(applied.stderr)}")
-        inside = sandbox.workspace_path or str(repo)
-        addopts = f"--junitxml={inside}/{REPORT_NAME} --rootdir={inside} -p no:cacheprovider"
-        result = sandbox.run(task.test_command, repo, limits=limits, env={"PYTEST_ADDOPTS": addopts})
-        report = read_report(repo / REPORT_NAME)
+                            exit_code=applied.exit_code, detail=f"git apply: {tail(applied.stderr)}")
+        result, report = run_pytest(sandbox, repo, task.test_command, limits)
     outcomes = outcomes_for(task.target_tests + task.pass_to_pass, report)
     passed = tuple(n for n, o in outcomes.items() if o == PASSED)
     failed = tuple(n for n, o in outcomes.items() if o != PASSED)
@@ -84,7 +98,7 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
     status = "ok"
     if report is None and (task.target_tests or task.pass_to_pass):
         status = "error"
-        detail = f"pytest wrote no report ({result.describe()}): {_tail(result.stdout + result.stderr)}"
+        detail = f"pytest wrote no report ({result.describe()}): {tail(result.stdout + result.stderr)}"
     return done(reward, status, passed=passed, failed=failed, exit_code=result.exit_code, detail=detail)
 
 

@@ -3,9 +3,10 @@ tests, benchmarks and the README. Each is generated, so any number of distinct t
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
+
+from composer_jax.tasks.workspace import unified_diff
 
 _HELPERS = '''def double(x):
     return 2 * x
@@ -27,10 +28,6 @@ def test_scaled_sum_negative():
 '''
 
 
-def _patch(rel: str, before: str, after: str) -> str:
-    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{rel}", f"b/{rel}"))
-
-
 def write_example_task(root: str | Path, index: int = 0, *, timeout_s: float = 60.0) -> Path:
     """TASK_DIR `root`: implement `scaled_sum(a, b) = (index + 2) * a + b` in mathops.py.
 
@@ -47,7 +44,7 @@ def scaled_sum(a, b):
     (root / "repo" / "tests").mkdir(parents=True)
     (root / "repo" / "mathops.py").write_text(stub)
     (root / "repo" / "tests" / "test_mathops.py").write_text(_TESTS.format(small=k + 2, negative=-3 * k + 5))
-    (root / "solution.patch").write_text(_patch("mathops.py", stub, solved))
+    (root / "solution.patch").write_text(unified_diff("mathops.py", stub, solved))
     test_file = "tests/test_mathops.py"
     (root / "task.json").write_text(json.dumps({
         "id": f"scaled-sum-{index}",

@@ -2,24 +2,30 @@
 
     TASK_DIR/
       repo/            the workspace the agent edits (copied before anything runs in it)
-      task.json        {"id", "instruction", "test_command", "target_tests", ["pass_to_pass"], ["timeout_s"]}
+      task.json        {"id", "instruction", "test_command", "target_tests", ["pass_to_pass"], ["timeout_s"],
+                        ["difficulty"]}
       solution.patch   a unified diff, -p1 relative to repo/ (kept outside repo/ so the agent never sees it)
 
 `test_command` runs from the root of repo/ (e.g. "python -m pytest -q tests"); `target_tests` are pytest
 node ids (`path/to/test_file.py::[Class::]name[param]`, relative to repo/) the work must make pass
 (may be empty: then the command's exit code decides); `pass_to_pass` are node ids that must keep
-passing. `load_task` validates everything and raises TaskError naming the task and the field.
+passing. `difficulty` (optional) describes how hard the task is: `deleted_lines`, `deleted_definitions`,
+`target_tests` (counts, set by the generator) and `pass_rate` (null until the RL loop records the
+share of its samples that solved the task, `write_pass_rate`). `load_task` validates everything and
+raises TaskError naming the task and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path, PurePosixPath
 
 REQUIRED = ("id", "instruction", "test_command", "target_tests")
-OPTIONAL = ("pass_to_pass", "timeout_s")
+OPTIONAL = ("pass_to_pass", "timeout_s", "difficulty")
+DIFFICULTY_COUNTS = ("deleted_lines", "deleted_definitions", "target_tests")
 DEFAULT_TIMEOUT_S = 60.0
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -41,6 +47,11 @@ class Task:
     pass_to_pass: tuple[str, ...]
     timeout_s: float
     root: Path          # the task directory
+    difficulty: dict = dataclasses.field(default_factory=dict)   # DIFFICULTY_COUNTS and pass_rate, when given
+
+    @property
+    def pass_rate(self) -> float | None:
+        return self.difficulty.get("pass_rate")
 
     @property
     def repo(self) -> Path:
@@ -85,6 +96,23 @@ def _text(name: str, field: str, value) -> str:
     if not isinstance(value, str) or not value.strip():
         raise TaskError(name, field, f"must be a non-empty string, got {value!r}")
     return value
+
+
+def _difficulty(name: str, value) -> dict:
+    field = "difficulty"
+    if not isinstance(value, dict):
+        raise TaskError(name, field, f"must be an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(DIFFICULTY_COUNTS) - {"pass_rate"})
+    if unknown:
+        raise TaskError(name, f"{field}.{unknown[0]}", "unknown (known: " + ", ".join(DIFFICULTY_COUNTS) + ", pass_rate)")
+    for key in DIFFICULTY_COUNTS:
+        count = value.get(key, 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise TaskError(name, f"{field}.{key}", f"must be a count (an integer >= 0), got {count!r}")
+    rate = value.get("pass_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
+        raise TaskError(name, f"{field}.pass_rate", f"must be null or a number in [0, 1], got {rate!r}")
+    return dict(value)
 
 
 def patch_paths(text: str) -> list[str]:
@@ -152,4 +180,20 @@ def load_task(path: str | Path) -> Task:
     _check_patch(name, root / "solution.patch")
     return Task(id=task_id, instruction=_text(name, "instruction", meta["instruction"]),
                 test_command=_text(name, "test_command", meta["test_command"]), target_tests=targets,
-                pass_to_pass=keep, timeout_s=float(timeout), root=root.resolve())
+                pass_to_pass=keep, timeout_s=float(timeout), root=root.resolve(),
+                difficulty=_difficulty(name, meta.get("difficulty", {})))
+
+
+def write_pass_rate(path: str | Path, pass_rate: float) -> Task:
+    """Record the share of sampled attempts that solved the task in task.json's `difficulty.pass_rate`
+    (replacing the file atomically, so a reader never sees half of it); returns the reloaded task."""
+    load_task(path)
+    if isinstance(pass_rate, bool) or not isinstance(pass_rate, (int, float)) or not 0 <= pass_rate <= 1:
+        raise TaskError(str(path), "difficulty.pass_rate", f"must be a number in [0, 1], got {pass_rate!r}")
+    meta_path = Path(path) / "task.json"
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta.setdefault("difficulty", {})["pass_rate"] = float(pass_rate)
+    partial = meta_path.with_name("task.json.partial")
+    partial.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, meta_path)
+    return load_task(path)

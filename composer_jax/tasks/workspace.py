@@ -8,6 +8,7 @@ tests earns nothing.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
 import shutil
@@ -38,10 +39,21 @@ def _not_copied(directory: str, names: list[str]) -> set[str]:
     return skip
 
 
-def copy_repo(src: Path, dst: Path) -> Path:
+def copy_repo(src: Path, dst: Path, *, exclude: tuple[str, ...] = (), exclude_at_root: tuple[str, ...] = ()) -> Path:
     """Copy repo `src` to a new directory `dst` without history, caches, bytecode or special files (symlinks
-    are copied as links); returns dst."""
-    shutil.copytree(src, dst, symlinks=True, ignore=_not_copied)
+    are copied as links); returns dst. `exclude`: more name patterns left out at any depth;
+    `exclude_at_root`: name patterns left out only directly under `src` (e.g. 'build', a package may
+    have a `build` module deeper down)."""
+    root = os.path.abspath(src)
+    extra = shutil.ignore_patterns(*exclude)
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        skip = _not_copied(directory, names) | set(extra(directory, names))
+        if os.path.abspath(directory) == root:
+            skip |= {n for n in names if any(fnmatch.fnmatch(n, pat) for pat in exclude_at_root)}
+        return skip
+
+    shutil.copytree(src, dst, symlinks=True, ignore=ignore)
     return dst
 
 
@@ -99,6 +111,15 @@ def restore_tests(original: Path, workspace: Path, extra: set[str] = frozenset()
         shutil.copy2(src, dst, follow_symlinks=False)
         changed.append(rel)
     return changed
+
+
+def unified_diff(rel: str, before: str, after: str) -> str:
+    """A -p1 unified diff of one file (a/rel -> b/rel) as `git apply` reads it, with git's marker after a
+    last line that has no newline."""
+    out = []
+    for line in difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{rel}", f"b/{rel}"):
+        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(out)
 
 
 PATCH_MOUNT = "/patch/solution.patch"
