@@ -19,6 +19,7 @@ from composer_jax import cli
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import check_task, load_task
 from composer_jax.tasks.candidates import _credit, select_candidates
+from composer_jax.tasks.feature_deletion import DEFAULT_TEST_COMMAND
 from composer_jax.tasks.features import find_definitions, plan_deletion, word_counts
 from composer_jax.tasks.format import TaskError, write_pass_rate
 from composer_jax.tasks.junit import FAILED, PASSED
@@ -199,7 +200,7 @@ def plant_leaks(root: Path) -> None:
     """Everything a careless generator would leave: docs quoting the code, history, bytecode, caches,
     build output, an installed copy in a virtualenv, a symlink to the original."""
     write_repo(root, {
-        "README.md": "# zebrakit\n\n```python\n    lowered = title.lower()\n    return slug or \"zebra-empty-slug\"\n```\n",
+        "README.md": "```python\n    lowered = title.lower()\n    return slug or \"zebra-empty-slug\"\n```\n",
         "docs/api.rst": ".. code-block:: python\n\n    total_of_values = sum(self.values)\n",
         "CHANGELOG.md": "- 0.2: clamp raises ValueError(\"clamp: low above high\")\n",
         "notes/snippet.txt": "slug = _squash_separators(lowered)\n",
@@ -279,6 +280,17 @@ def test_report_counts_and_reasons(generated):
     assert report["rejected"] == {"no_test_fails": 1, "collateral_failures": 1}
     assert "tried 6: kept 4, rejected 2 (collateral_failures 1, no_test_fails 1)" in generated["stdout"]
     assert f"1 tests do not pass before any deletion and are left out, e.g. {LEFT_OUT}" in generated["stderr"]
+
+
+def test_max_tasks_and_the_same_tasks_with_any_number_of_workers(generated, tmp_path):
+    """One worker and --max-tasks 2 keep the first two tasks the two-worker run kept, and stop there."""
+    code, _, err = run_cli("tasks", "feature-deletion", generated["repo"], tmp_path / "out", "--max-tasks", "2")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [t["id"] for t in report["tasks"]] == [t["id"] for t in generated["report"]["tasks"][:2]]
+    assert report["kept"] == 2 and report["tried"] < generated["report"]["tried"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([*(t["id"] for t in report["tasks"]),
+                                                                          "report.json"])
 
 
 def test_repo_dir_is_never_written(generated):
@@ -393,8 +405,7 @@ def test_not_a_directory_and_bad_out_dir(tmp_path):
 
 
 @pytest.mark.parametrize("files, extra, message", [
-    ({"m.py": "def f():\n    return 1\n"}, (), "no tests: `PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q` "
-                                                 "collected none"),
+    ({"m.py": "def f():\n    return 1\n"}, (), f"no tests: `{DEFAULT_TEST_COMMAND}` collected none"),
     ({"m.py": "X = 1\n", "tests/test_m.py": "from m import X\n\n\ndef test_x():\n    assert X == 2\n"}, (),
      "no test passes before any deletion (1 fail, 0 skipped), e.g. tests/test_m.py::test_x"),
     ({"tests/test_slow.py": "import time\n\n\ndef test_hangs():\n    time.sleep(600)\n"}, ("--timeout", "3"),
@@ -455,6 +466,14 @@ def test_deletion_keeps_the_module_importable_and_the_patch_restores_it(tmp_path
         assert (tmp_path / "zebrakit" / "text.py").read_text() == original
 
 
+def test_tab_indented_bodies_keep_their_tabs():
+    source = "class A:\n\tdef f(self, x):\n\t\ty = x + 1\n\t\treturn y\n"
+    defs = find_definitions("m.py", source)
+    deletion = plan_deletion(defs[-1], defs, source, word_counts([source]))
+    assert deletion.modified == "class A:\n\tdef f(self, x):\n\t\traise NotImplementedError\n"
+    compile(deletion.modified, "m.py", "exec")
+
+
 @pytest.mark.parametrize("source, reason", [
     ("def f(x): return x + 1\n", "inline_body"),
     ('def f(x):\n    """Doc."""\n    raise NotImplementedError\n', "no_body"),
@@ -487,4 +506,4 @@ def test_credit_from_trace_keys():
     assert sorted(c.id for c in candidates) == ["zebrakit.numbers.Stats", "zebrakit.numbers.Stats.mean",
                                                 "zebrakit.numbers.clamp"]
     assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", candidates[0].id)
-    assert skipped == {"runs_at_import": 1, "untested": len(sum(defs.values(), [])) - 4}
+    assert skipped == {"runs_at_import": 1, "untested": sum(map(len, defs.values())) - 4}

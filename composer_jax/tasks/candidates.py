@@ -5,7 +5,8 @@ class is credited through its methods, a function through the closures and compr
 It is a candidate if it did not run at import or collection (deleting it would break the import, and
 every test with it), passing tests ran it, no more than `max_target_fraction` of the passing tests
 ran it (a feature, not the core everything needs), and its deletion removes at least `min_lines`
-lines of code. Definitions that are not candidates are counted by reason (NOT_CANDIDATE).
+lines of code. Definitions that are not candidates are counted by reason (NOT_CANDIDATE; for
+`syntax_error` and `not_utf8`, whole files are counted).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from composer_jax.tasks.tracing import Baseline, CodeKey
 from composer_jax.tasks.workspace import is_test_file
 
 NOT_CANDIDATE = ("untested", "runs_at_import", "not_specific", "too_small", "no_body", "inline_body",
-                 "abstract_or_overload", "syntax_error")
+                 "abstract_or_overload", "syntax_error", "not_utf8")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,8 +34,7 @@ class Candidate:
 
 def task_id(path: str, qualname: str) -> str:
     """'src/pkg/mod.py', 'Stats.mean' -> 'pkg.mod.Stats.mean' (made a valid task id)."""
-    module = re.sub(r"^src/", "", path)[:-len(".py")].replace("/", ".")
-    module = module[:-len(".__init__")] if module.endswith(".__init__") else module
+    module = re.sub(r"^src/", "", path).removesuffix(".py").replace("/", ".").removesuffix(".__init__")
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{module}.{qualname}").lstrip("._-")
     return name if ID_PATTERN.fullmatch(name) else f"t{name}"
 
@@ -68,6 +68,9 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
     definitions: dict[str, list[Definition]] = {}
     for path, text in sorted(texts.items()):
         if path.endswith(".py") and not is_test_file(path):
+            if "\ufffd" in text:  # not UTF-8 (scrub.repo_texts replaced bytes): it could not be rewritten as it was
+                skipped["not_utf8"] += 1
+                continue
             try:
                 definitions[path] = find_definitions(path, text)
             except SyntaxError:

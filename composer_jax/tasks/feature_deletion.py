@@ -98,11 +98,11 @@ def instruction(deletion: Deletion, targets: list[str], command: str) -> str:
     f = deletion.feature
     if f.kind == "class":
         methods = ", ".join(f"`{d.name}`" for d in deletion.stubbed)
-        parts = [f"The methods {methods} of the class `{f.qualname}` in `{deletion.path}` have lost their "
-                 "implementation: their bodies now raise NotImplementedError. Implement them."]
+        parts = [(f"The methods {methods} of the class `{f.qualname}` in `{deletion.path}` have lost their "
+                  "implementation: their bodies now raise NotImplementedError. Implement them.")]
     else:
-        parts = [f"The {f.kind} `{f.qualname}` in `{deletion.path}` has lost its implementation: its body now "
-                 "raises NotImplementedError. Implement it."]
+        parts = [(f"The {f.kind} `{f.qualname}` in `{deletion.path}` has lost its implementation: its body now "
+                  "raises NotImplementedError. Implement it.")]
     if deletion.helpers:
         parts.append("Private helpers that only it used were removed too; write whatever helpers you need.")
     for d in ([f, *deletion.stubbed] if f.kind == "class" else [f]):
@@ -270,9 +270,10 @@ def _report(repo: Path, command: str, config: FeatureDeletionConfig, baseline: B
 def summary(report: dict) -> str:
     """The report in a few lines, for the command line."""
     b = report["baseline"]
-    lines = [f"baseline: {b['tests']} tests, {b['passed']} pass, {b['skipped']} skipped, {len(b['left_out'])} left "
-             f"out (not passing) ({b['seconds']} s)",
-             f"candidates: {report['candidates']} (not candidates: {_counts(Counter(report['not_candidates']))})",
-             f"tried {report['tried']}: kept {report['kept']}, rejected {sum(report['rejected'].values())} "
-             f"({_counts(Counter(report['rejected']))}); {report['seconds']} s"]
-    return "\n".join(lines)
+    rejected = sum(report["rejected"].values())
+    baseline = (f"baseline: {b['tests']} tests, {b['passed']} pass, {b['skipped']} skipped, {len(b['left_out'])} "
+                f"left out (not passing) ({b['seconds']} s)")
+    candidates = f"candidates: {report['candidates']} (not candidates: {_counts(Counter(report['not_candidates']))})"
+    tried = (f"tried {report['tried']}: kept {report['kept']}, rejected {rejected} "
+             f"({_counts(Counter(report['rejected']))}); {report['seconds']} s")
+    return f"{baseline}\n{candidates}\n{tried}"

@@ -188,8 +188,14 @@ def _helper_span(d: Definition, lines: list[str]) -> tuple[int, int]:
     return start, end
 
 
+def _indent(lines: list[str], stmt: ast.stmt) -> str:
+    """The whitespace before a statement, as written (tabs stay tabs)."""
+    return lines[stmt.lineno - 1][:stmt.col_offset]
+
+
 def _strings(nodes: Iterable[ast.AST]) -> set[str]:
-    return {n.value for node in nodes for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return {n.value for node in nodes for n in ast.walk(node)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
 def plan_deletion(feature: Definition, definitions: list[Definition], source: str, counts: Counter) -> Deletion | str:
@@ -210,7 +216,7 @@ def plan_deletion(feature: Definition, definitions: list[Definition], source: st
         return reasons[0] if reasons else "no_body"
     removed_words = word_counts("".join(lines[s - 1:e]) for s, e in spans.values())
     helpers = _private_helpers(feature, definitions, lines, removed_words, counts)
-    edits = [(s, e, [" " * _deleted_body(d.node)[0].col_offset + STUB + "\n"]) for d, (s, e) in spans.items()]
+    edits = [(s, e, [_indent(lines, _deleted_body(d.node)[0]) + STUB + "\n"]) for d, (s, e) in spans.items()]
     edits += [(*_helper_span(h, lines), []) for h in helpers]
     new, removed = list(lines), []
     for start, end, replacement in sorted(edits, reverse=True):  # bottom-up: earlier line numbers stay valid

@@ -104,7 +104,7 @@ def _difficulty(name: str, value) -> dict:
         raise TaskError(name, field, f"must be an object, got {type(value).__name__}")
     unknown = sorted(set(value) - set(DIFFICULTY_COUNTS) - {"pass_rate"})
     if unknown:
-        raise TaskError(name, f"{field}.{unknown[0]}", "unknown (known: " + ", ".join(DIFFICULTY_COUNTS) + ", pass_rate)")
+        raise TaskError(name, f"{field}.{unknown[0]}", f"unknown (known: {', '.join(DIFFICULTY_COUNTS)}, pass_rate)")
     for key in DIFFICULTY_COUNTS:
         count = value.get(key, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
