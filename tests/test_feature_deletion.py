@@ -10,13 +10,11 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from composer_jax import cli
-from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import check_task, load_task
 from composer_jax.tasks.candidates import _credit, select_candidates
 from composer_jax.tasks.feature_deletion import DEFAULT_TEST_COMMAND
@@ -25,7 +23,8 @@ from composer_jax.tasks.format import TaskError, write_pass_rate
 from composer_jax.tasks.junit import FAILED, PASSED
 from composer_jax.tasks.tracing import Baseline
 from composer_jax.tasks.workspace import unified_diff
-from tests.test_tasks import tree_digest
+# the module's Sandbox, and the autouse check that no temporary copy is left behind
+from tests.test_tasks import no_leftover_copies, sandbox, tree_digest  # noqa: F401
 
 TEXT = '''"""Text helpers."""
 import re
@@ -233,18 +232,6 @@ def run_cli(*args) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main([str(a) for a in args])
     return code, out.getvalue(), err.getvalue()
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    return Sandbox()
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_copies():
-    before = set(Path(tempfile.gettempdir()).glob("composer_jax-*"))
-    yield
-    assert set(Path(tempfile.gettempdir()).glob("composer_jax-*")) <= before
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ the tests run at a few times their speed at worst) keys every code object that s
 file, relative to the workspace, its first line (the first decorator's line for a decorated
 function) and its name: enough to find the definition it belongs to. Calls made while no test runs (imports,
 collection) go to "import"; those made during a test's setup, call and teardown go to that test.
+Code run in subprocesses the tests start is not seen.
 At the end of the session it writes {"import": [[path, line, name], ...], "tests": {node id: [[path,
 line, name], ...]}} to the file named by $COMPOSER_JAX_TRACE_OUT.
 """
