@@ -302,6 +302,104 @@ def _add_plot(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# tasks check
+
+
+def _run_tasks_check(args) -> int:
+    import time
+
+    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError, check_tasks, load_task, summary_line
+
+    start = time.monotonic()
+    try:
+        tasks = [load_task(d) for d in args.task_dirs]
+        results = check_tasks(tasks, Sandbox(args.backend), solution=args.solution, workers=args.workers)
+    except (TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks check: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    lines = [json.dumps(r.to_json()) for r in results]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+    else:
+        print("\n".join(lines))
+    print(summary_line(results, time.monotonic() - start))
+    return 0
+
+
+def _run_feature_deletion(args) -> int:
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable
+    from composer_jax.tasks.feature_deletion import (FeatureDeletionConfig, FeatureDeletionError, generate_tasks,
+                                                     summary)
+
+    try:
+        config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
+                                       test_command=args.test_command, timeout_s=args.timeout,
+                                       min_lines=args.min_lines, backend=args.backend)
+        report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
+    except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary(report))
+    print(f"report: {os.path.join(args.out_dir, 'report.json')}")
+    return 0
+
+
+def _run_tasks_list(args) -> int:
+    from composer_jax.tasks import TaskError
+    from composer_jax.tasks.listing import find_tasks, task_table
+
+    try:
+        print(task_table(find_tasks(args.out_dir)))
+    except TaskError as e:
+        print(f"composer-jax tasks list: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _add_tasks(sub) -> None:
+    p = sub.add_parser("tasks", help="coding tasks: generate, list and check (reward from tests in the sandbox)")
+    tasks_sub = p.add_subparsers(dest="tasks_command", required=True, metavar="command")
+    c = tasks_sub.add_parser("check", help="run each task's tests in the sandbox and report its reward",
+                             description="Validate TASK_DIRs, run their test commands in the sandbox on copies of "
+                                         "repo/ and print one JSON object per task (task, reward, passed, failed, "
+                                         "status, seconds) and a summary line. Task directories are never modified.")
+    c.add_argument("task_dirs", nargs="+", metavar="TASK_DIR")
+    c.add_argument("--solution", action="store_true", help="apply solution.patch to the copy first")
+    c.add_argument("--json", default=None, metavar="OUT", help="write the JSON lines to OUT instead of stdout")
+    c.add_argument("--workers", type=_positive_int, default=1, help="tasks checked at once (default 1)")
+    c.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    c.set_defaults(run=_run_tasks_check)
+    f = tasks_sub.add_parser("feature-deletion", help="make tasks from a repository by deleting tested features",
+                             description="Run REPO_DIR's pytest suite in the sandbox with tracing, delete one "
+                                         "function, method or class per task (the module still imports), keep the "
+                                         "task if the tests that ran it now fail, the others still pass and "
+                                         "solution.patch restores them; write OUT_DIR/<id>/{repo/, task.json, "
+                                         "solution.patch} and OUT_DIR/report.json. REPO_DIR is only read.")
+    f.add_argument("repo_dir", metavar="REPO_DIR")
+    f.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
+    f.add_argument("--max-tasks", type=_positive_int, default=20, help="stop after keeping this many (default 20)")
+    f.add_argument("--workers", type=_positive_int, default=1, help="candidates checked at once (default 1)")
+    f.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
+    f.add_argument("--test-command", default=None,
+                   help="pytest command run from the repository root (default: python -m pytest -q without plugin "
+                        "autoload, PYTHONPATH=src for a src/ layout)")
+    f.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
+    f.add_argument("--min-lines", type=_positive_int, default=3,
+                   help="lines of code a deletion must remove, at least (default 3)")
+    f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    f.set_defaults(run=_run_feature_deletion)
+    t = tasks_sub.add_parser("list", help="table of the tasks in a directory",
+                             description="Print id, target tests, deleted lines and pass rate of every task "
+                                         "directory under OUT_DIR.")
+    t.add_argument("out_dir", metavar="OUT_DIR")
+    t.set_defaults(run=_run_tasks_list)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plot(sub)
     _add_convert(sub)
     _add_export(sub)
+    _add_tasks(sub)
     return parser
 
 

@@ -1,0 +1,138 @@
+"""The coding environment: the agent edits a copy of a task's repo with tools and is graded by tests.
+
+    env = CodingEnv(Sandbox(), get_format("plain"))
+    messages = env.reset(task)                       # tool declaration, instructions, the task
+    observation, done, info = env.step(assistant_text)  # tool results as messages; flags; reward when done
+
+A turn's tool calls are carried out in order (up to `submit`); parse errors become error results. The
+episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
+(restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted. An
+episode abandoned before its end keeps its workspace until `close()`, the next `reset()`, or the end of
+a `with CodingEnv(...) as env:` block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+
+from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_FAILURE, TEST_FILE_EDIT, Flag, HintContext,
+                                        flags_for_errors)
+from composer_jax.envs.protocol import ToolFormat, parse_turn
+from composer_jax.envs.tools import TOOL_NAMES, TOOLS, WorkspaceTools
+from composer_jax.sandbox import Sandbox
+from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
+
+SYSTEM_PROMPT = ("You are a coding agent working in a repository. Use the tools to read and change the code so "
+                 "that the task is done and its tests pass, then call submit.")
+NO_ACTION_MESSAGE = "No tool call found. Call a tool (or submit when you are done)."
+
+
+@dataclasses.dataclass(frozen=True)
+class CodingEnvConfig:
+    max_turns: int = 30
+    max_output_chars: int = 4000        # per tool result
+    run_wall_s: float = 30.0            # limits of one `run` command
+    run_cpu_s: int = 30
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"coding env setting '{name}' must be > 0, got {getattr(self, name)}")
+
+
+class CodingEnv:
+    tools = TOOLS
+
+    def __init__(self, sandbox: Sandbox, fmt: ToolFormat, config: CodingEnvConfig = CodingEnvConfig()):
+        self.sandbox, self.fmt, self.config = sandbox, fmt, config
+        self._tmp: Path | None = None
+        self.done = True
+
+    @property
+    def hint_context(self) -> HintContext:
+        return HintContext(TOOL_NAMES, self.fmt.render_call("read_file", {"path": "README.md"}),
+                           self.config.max_output_chars)
+
+    def reset(self, task: Task) -> list[dict]:
+        self.close()
+        self._tmp = Path(tempfile.mkdtemp(prefix=f"composer_jax-env-{task.id}-"))
+        self.workspace = copy_repo(task.repo, self._tmp / "repo")
+        limits = dataclasses.replace(self.sandbox.limits, wall_s=self.config.run_wall_s, cpu_s=self.config.run_cpu_s)
+        self._tools = WorkspaceTools(self.workspace, self.sandbox, max_output_chars=self.config.max_output_chars,
+                                     run_limits=limits)
+        self.task, self.turn, self.done = task, 0, False
+        self._failed: set[str] = set()
+        self.stats = {"tool_calls": 0, "failed_calls": 0, "malformed_turns": 0}
+        return [self.fmt.tools_message(TOOLS), {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": task.instruction}]
+
+    def _test_digest(self) -> dict[str, str]:
+        return {p.relative_to(self.workspace).as_posix(): hashlib.sha1(p.read_bytes()).hexdigest()
+                for p in self.workspace.rglob("*")
+                if p.is_file() and not p.is_symlink() and is_test_file(p.relative_to(self.workspace).as_posix())}
+
+    def _failure(self, key: str, detail: str, flags: list[Flag]) -> None:
+        self.stats["failed_calls"] += 1
+        if key in self._failed:
+            flags.append(Flag(REPEATED_FAILURE, detail))
+        self._failed.add(key)
+
+    def step(self, assistant_text: str) -> tuple[list[dict], bool, dict]:
+        if self.done:
+            raise RuntimeError("step() after the episode ended: call reset(task) first")
+        self.turn += 1
+        parsed = parse_turn(assistant_text, self.fmt, TOOLS)
+        flags = flags_for_errors(parsed.errors)
+        observation = []
+        for error in parsed.errors:
+            self._failure(f"{error.kind}:{error.message}", error.message, flags)
+            observation.append({"role": "tool", "name": error.call_id, "content": f"error: {error.message}"})
+        if parsed.errors:
+            self.stats["malformed_turns"] += 1
+        submitted = False
+        for call in parsed.calls:
+            self.stats["tool_calls"] += 1
+            if call.name == "submit":
+                submitted = True
+                observation.append({"role": "tool", "name": call.call_id, "content": "submitted"})
+                break
+            before = self._test_digest() if call.name == "run" else None
+            outcome = self._tools.call(call)
+            if not outcome.ok:
+                self._failure(call.key(), f"{call.name} {call.arguments}: {outcome.output[:200]}", flags)
+            if outcome.truncated:
+                flags.append(Flag(OUTPUT_LIMIT, f"{call.name} output cut at {self.config.max_output_chars} characters"))
+            edited = list(outcome.test_files)
+            if before is not None:
+                after = self._test_digest()
+                edited += sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+            if edited:
+                flags.append(Flag(TEST_FILE_EDIT, ", ".join(edited)))
+            observation.append({"role": "tool", "name": call.call_id, "content": outcome.output})
+        if not parsed.attempted:
+            flags.append(Flag(NO_ACTION, "the message has no tool call"))
+            observation.append({"role": "user", "content": NO_ACTION_MESSAGE})
+        self.done = submitted or self.turn >= self.config.max_turns
+        info = {"turn": self.turn, "flags": flags, "submitted": submitted}
+        if self.done:
+            check = check_task(self.task, self.sandbox, workspace=self.workspace)
+            info.update(task_reward=check.reward, check=check.to_json(), **self.stats, turns=self.turn)
+            self.close()
+        return observation, self.done, info
+
+    def __enter__(self) -> CodingEnv:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete the episode's workspace (also done by the next reset)."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        self.done = True

@@ -1,0 +1,77 @@
+"""Flags (what went wrong in a turn) and hints (the short text a teacher sees before that turn).
+
+Targeted feedback (Composer 2.5): for a flagged assistant turn, a hint describing the desired
+improvement is inserted into the context before the turn; the policy with the hint is the teacher,
+the policy without it the student (shared/reference/rl.md section 1.4). Each flag kind has one hint
+builder; `hint_for(flags, ...)` joins the hints of a turn's flags into one text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from composer_jax.envs import protocol
+
+UNKNOWN_TOOL = "unknown_tool"
+MALFORMED_CALL = "malformed_call"            # malformed JSON or call syntax
+INVALID_ARGUMENTS = "invalid_arguments"      # missing, unexpected or mistyped arguments
+REPEATED_FAILURE = "repeated_failure"        # the same call failed in an earlier turn
+TEST_FILE_EDIT = "test_file_edit"
+OUTPUT_LIMIT = "output_limit"
+NO_ACTION = "no_action"                      # no tool call and no answer
+FLAG_KINDS = (UNKNOWN_TOOL, MALFORMED_CALL, INVALID_ARGUMENTS, REPEATED_FAILURE, TEST_FILE_EDIT, OUTPUT_LIMIT,
+              NO_ACTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    kind: str          # one of FLAG_KINDS
+    detail: str        # what happened, e.g. the parser's error message or the file edited
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class HintContext:
+    tool_names: Sequence[str]      # the tools of the environment (empty: it expects a plain answer)
+    call_example: str              # one well-formed call in the episode's format
+    max_output_chars: int = 0
+
+
+def _tools(ctx: HintContext) -> str:
+    return ", ".join(ctx.tool_names)
+
+
+HINT_BUILDERS: dict[str, Callable[[Flag, HintContext], str]] = {
+    UNKNOWN_TOOL: lambda f, c: f"Reminder: the available tools are {_tools(c)}; call only these.",
+    MALFORMED_CALL: lambda f, c: f"Reminder: write each tool call exactly like {c.call_example} (valid JSON).",
+    INVALID_ARGUMENTS: lambda f, c: f"Reminder: check the tool's arguments ({f.detail}).",
+    REPEATED_FAILURE: lambda f, c: f"This exact call already failed ({f.detail}); try a different approach.",
+    TEST_FILE_EDIT: lambda f, c: f"Do not edit the tests ({f.detail}); change the code so that they pass.",
+    OUTPUT_LIMIT: lambda f, c: (f"Tool output is cut after {c.max_output_chars} characters: read line ranges or "
+                                "narrow the command."),
+    NO_ACTION: lambda f, c: (f"Reminder: answer with a tool call, e.g. {c.call_example}, and submit when done."
+                             if c.tool_names else "Reminder: reply with the answer only."),
+}
+
+
+def hint_for(flags: Sequence[Flag], ctx: HintContext) -> str:
+    """The teacher's hint for a turn with these flags (one line per distinct flag kind); '' if none."""
+    lines, seen = [], set()
+    for flag in flags:
+        if flag.kind not in seen:
+            seen.add(flag.kind)
+            lines.append(HINT_BUILDERS[flag.kind](flag, ctx))
+    return "\n".join(lines)
+
+
+_ERROR_FLAGS = {protocol.UNKNOWN_TOOL: UNKNOWN_TOOL, protocol.MALFORMED_JSON: MALFORMED_CALL,
+                protocol.MALFORMED_CALL: MALFORMED_CALL, protocol.MISSING_ARGUMENT: INVALID_ARGUMENTS,
+                protocol.UNEXPECTED_ARGUMENT: INVALID_ARGUMENTS, protocol.WRONG_TYPE: INVALID_ARGUMENTS}
+
+
+def flags_for_errors(errors) -> list[Flag]:
+    """One flag per parser error (envs.protocol.CallError), by kind."""
+    return [Flag(_ERROR_FLAGS[e.kind], e.message) for e in errors]
