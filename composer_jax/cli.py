@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from composer_jax.checkpoint.safetensors_io import CheckpointError
