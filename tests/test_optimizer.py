@@ -41,7 +41,7 @@ def test_adamw_decays_only_matrices():
     cfg = OptimizerConfig(lr=0.1, warmup_steps=0, decay_fraction=0.0, weight_decay=0.5)
     opt = make_optimizer(cfg, total_steps=10, params=params)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = opt.tx.update(zeros, opt.tx.init(params), params)
+    updates, _ = jax.jit(opt.tx.update)(zeros, jax.jit(opt.tx.init)(params), params)
     flat_p = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     flat_u = jax.tree.leaves(updates, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for (path, var), upd in zip(flat_p, flat_u):
