@@ -180,7 +180,7 @@ class Trainer:
             progress.write(f"step {at}: held-out loss {ev['eval_loss']:.4f}")
 
         try:
-            with StopSignals(progress.write) as stop, self.dual:
+            with StopSignals(progress.note) as stop, self.dual:
                 if has_eval and start == 0:
                     progress.status("held-out eval (compiling)")
                     evaluate(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 
 class Progress:
     """A tqdm bar over steps showing loss, tokens/s, estimated MFU and (tqdm's) ETA; `status` labels the
-    bar while nothing moves (e.g. "compiling" before the first step). Disabled: `write` prints."""
+    bar while nothing moves (e.g. "compiling" before the first step). Disabled: `write` prints.
+    `note` writes a line for the user on stderr (where the bar is)."""
 
     def __init__(self, total: int, initial: int, enabled: bool, file=None):
         self._bar = None
@@ -152,11 +154,15 @@ class Progress:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(steps)
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, file=None) -> None:
+        """A line above the bar, on `file` (default stdout)."""
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=file)
         else:
-            print(text, flush=True)
+            print(text, file=file, flush=True)
+
+    def note(self, text: str) -> None:
+        self.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self._bar is not None:
