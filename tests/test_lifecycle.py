@@ -171,6 +171,8 @@ def test_resumed_logs_hold_each_step_once(tmp_path):
         writer.write({"step": step, "loss": 10.0 - step})
     writer.write({"step": 4, "eval_loss": 5.5})
     writer.close()
+    (event_file,) = (tmp_path / "tb").iterdir()  # as an earlier second would have named it
+    event_file.rename(event_file.with_name("events.out.tfevents.1000000000.earlier"))
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "lo')  # cut by the kill
     first_times = {r["step"]: r["time"] for r in read_metrics(tmp_path) if "loss" in r}
