@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from composer_jax import cli
@@ -151,11 +152,24 @@ def _training_checkpoint(directory: Path, step: int) -> None:
     ckpt.close()
 
 
-def test_relative_export_paths(tmp_path, monkeypatch, capsys):
-    """`export` of a training checkpoint given as relative paths (orbax itself wants absolute ones)."""
+def test_relative_convert_and_export_paths(tmp_path, monkeypatch, capsys):
+    """convert and export with relative SRC and DST, and export of a training checkpoint step given as a
+    relative path (orbax itself wants absolute ones): the same tensors come out."""
+    from safetensors.numpy import load_file
+
+    from composer_jax.checkpoint.synthetic import write_synthetic_hf
+
+    def tensors(directory):
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
     monkeypatch.chdir(tmp_path)
+    write_synthetic_hf("hf", load_config("tiny", ["mtp.num_layers=0"]))
+    assert cli.main(["convert", "hf", "converted", "--quiet"]) == 0, capsys.readouterr().err
+    assert cli.main(["export", "converted", "exported", "--quiet"]) == 0, capsys.readouterr().err
+    original, exported = tensors(tmp_path / "hf"), tensors(tmp_path / "exported")
+    assert set(original) == set(exported) and all(np.array_equal(original[k], exported[k]) for k in original)
+
     _training_checkpoint(Path("run") / "checkpoints", step=3)
-    assert cli.main(["export", "run/checkpoints/3", "out", "--quiet"]) == 0, capsys.readouterr().err
-    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
-    assert "model.embed_tokens.weight" in index["weight_map"]
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert cli.main(["export", "run/checkpoints/3", "from_run", "--quiet"]) == 0, capsys.readouterr().err
+    assert set(tensors(tmp_path / "from_run")) == set(original)
+    assert json.loads((tmp_path / "from_run" / "config.json").read_text())["model_type"] == "deepseek_v3"

@@ -172,7 +172,8 @@ def test_resume_onto_another_mesh_layout(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(trainer.run_dir / "checkpoints", copy / "checkpoints")
     overrides = OVERRIDES + [f"data.path={trainer.cfg.data.path}", f"run_dir={copy}", "mesh.fsdp=8", "mesh.cp=1",
-                             "mesh.ereplica=2", "mesh.ep=4", "train.steps=4", "train.grad_accum=1"]
+                             "mesh.ereplica=2", "mesh.ep=4", "train.steps=4", "train.grad_accum=1",
+                             "optimizer.on_extend=continue"]
     moved = Trainer(load_run_config("pretrain-tiny", overrides))
     assert int(moved.state.step) == 3
     expert = moved.state.params["moe_layers"]["mlp"]["gate_proj"].get_value()

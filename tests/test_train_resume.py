@@ -100,9 +100,9 @@ def test_sigterm_and_sigkill_then_restart_match_an_uninterrupted_run(tmp_path):
     stopped_at = max(_losses(run_dir))
     assert first.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (
-        f"pretrain: interrupted by SIGTERM at step {stopped_at}; checkpoint {run_dir / 'checkpoints' / str(stopped_at)} "
-        f"saved; resume with: composer-jax {' '.join(argv)}")
+    checkpoint = run_dir / "checkpoints" / str(stopped_at)
+    assert err.strip().splitlines()[-1] == (f"pretrain: interrupted by SIGTERM at step {stopped_at}; checkpoint "
+                                            f"{checkpoint} saved; resume with: composer-jax {' '.join(argv)}")
     assert "SIGTERM received: finishing the current step, then saving a checkpoint" in err
     assert "compiling the train step" in err  # the progress bar says so while the first step compiles
     assert _complete_checkpoints(run_dir)[-1] == stopped_at < STEPS

@@ -4,8 +4,8 @@ Every source is a grain `RandomAccessDataSource` (`__len__`, `__getitem__`) whos
 dicts: `{"text": ...}` for a text tree, the JSON object of a JSONL line or an ArrayRecord record, the
 row of a Parquet file. A record that cannot be used (binary or unreadable file, malformed JSON, a file
 over the size limit) comes back as `None`, which grain drops; `SkipLog` counts it by reason and lists
-it (path relative to the data root) in the run's skip file. Paths that cannot be used at all (missing, unreadable, matching no files) are a
-`DataError` naming the path.
+it (path relative to the data root) in the run's skip file. Paths that cannot be used at all (missing,
+unreadable, matching no files) are a `DataError` naming the path.
 
 `split_indices` gives a deterministic held-out split keyed by a stable hash of each record's key (the
 relative file path for trees, the record index otherwise), independent of machine and Python hashing.

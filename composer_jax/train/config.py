@@ -22,15 +22,15 @@ from composer_jax.data.config import DataConfig
 class OptimizerConfig:
     """The optimizer and its warmup-stable-decay (WSD) learning-rate schedule."""
 
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-3
+    name: Literal["adamw", "muon"] = "adamw"   # muon: Muon for matrices, AdamW for the rest
+    lr: float = 3e-3                  # peak learning rate (after warmup)
     warmup_steps: int = 20            # linear warmup from 0
     decay_fraction: float = 0.2       # the last fraction of the steps decays to lr * min_lr_ratio
-    decay_shape: Literal["linear", "cosine"] = "linear"
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    decay_shape: Literal["linear", "cosine"] = "linear"   # how the rate falls over the decay fraction
+    min_lr_ratio: float = 0.1         # the rate at the end of the decay, as a fraction of lr
+    b1: float = 0.9                   # Adam's first-moment decay
+    b2: float = 0.95                  # Adam's second-moment decay
+    eps: float = 1e-8                 # Adam's denominator epsilon
     weight_decay: float = 0.1         # decoupled; matrices only (reduction/output metadata): not norms, embedding, head
     max_grad_norm: float = 1.0        # global-norm clipping; 0 disables
     ns_dtype: Literal["float32", "bfloat16"] = "float32"   # Muon's Newton-Schulz compute dtype
@@ -57,14 +57,15 @@ class OptimizerConfig:
         if self.schedule_start < 0 or self.schedule_end < 0:
             raise ConfigError("schedule_start", "schedule_start and schedule_end must be >= 0")
         if self.schedule_end and self.schedule_end <= self.schedule_start:
-            raise ConfigError("schedule_end", f"must be > schedule_start={self.schedule_start}, got {self.schedule_end}")
+            raise ConfigError("schedule_end", f"must be > schedule_start={self.schedule_start}, "
+                                              f"got {self.schedule_end}")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100                  # save every N steps (and at the last step)
     keep: int = 3                     # keep the K most recent
-    async_save: bool = True
+    async_save: bool = True           # write in the background while training continues
 
     def __post_init__(self):
         if self.every <= 0 or self.keep <= 0:
@@ -73,16 +74,16 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300                  # optimizer steps of the whole run (a resumed run continues to it)
     batch_size: int = 16              # rows per optimizer step (all devices, all micro-batches)
-    seq_len: int = 128
+    seq_len: int = 128                # tokens per packed row
     grad_accum: int = 1               # micro-batches per step; batch_size must divide evenly
     remat: Literal["none", "full", "dots"] = "none"   # rematerialise the forward in the backward
     loss_chunk: int = 512             # sequence positions per cross-entropy chunk: [batch, chunk, vocab] logits
     mtp_distill_weight: float = 0.1   # MTP self-distillation KL toward the main head (stop-gradient)
-    log_every: int = 10
+    log_every: int = 10               # metrics (and throughput) every N steps: the host syncs only then
     eval_every: int = 100             # held-out loss every N steps (also at step 0 and the end)
-    eval_batches: int = 8
+    eval_batches: int = 8             # held-out batches per evaluation (the same ones each time)
     progress: bool = True             # the progress bar (stderr)
     peak_flops: float = 0.0           # per-device peak FLOP/s for MFU; 0 = by device kind / measured on CPU
     num_devices: int = 0              # devices to use; 0 = all
@@ -109,7 +110,7 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"     # where the run writes everything; relative = to the current directory
 
     def __post_init__(self):
         max_len = self.model.rope.max_position_embeddings

@@ -106,8 +106,8 @@ def schedule_on_resume(cfg: RunConfig, saved: dict, step: int) -> tuple[RunConfi
         raise ConfigError("optimizer.on_extend", f"the checkpoint at step {step} follows a schedule of {saved_steps} "
                                                  f"steps (last lr {last_lr:.3g}) and train.steps={steps} changes "
                                                  "it: pass optimizer.on_extend=continue to keep the decayed rate, or "
-                                                 f"optimizer.on_extend=restart to warm up and decay again over steps "
-                                                 f"{step + 1}-{steps}")
+                                                 "optimizer.on_extend=restart to warm up and decay again over "
+                                                 + (f"steps {step + 1}-{steps}" if steps > step + 1 else f"step {steps}"))
     if changed and choice == "restart":
         new = dataclasses.replace(cfg.optimizer, schedule_start=step, schedule_end=steps)
     else:
