@@ -506,8 +506,10 @@ def main(argv=None) -> int:
         print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles it): nothing to save
+        from composer_jax.train.lifecycle import exit_status
+
         print(f"composer-jax {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return exit_status(signal.SIGINT)
 
 
 if __name__ == "__main__":

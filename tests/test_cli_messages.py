@@ -173,3 +173,15 @@ def test_relative_convert_and_export_paths(tmp_path, monkeypatch, capsys):
     assert cli.main(["export", "run/checkpoints/3", "from_run", "--quiet"]) == 0, capsys.readouterr().err
     assert set(tensors(tmp_path / "from_run")) == set(original)
     assert json.loads((tmp_path / "from_run" / "config.json").read_text())["model_type"] == "deepseek_v3"
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_status_130(monkeypatch, capsys):
+    """E.g. while a run is still being set up (the loop itself saves and says so: test_train_resume)."""
+    from composer_jax.train import loop
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    assert cli.main(["pretrain", "train.steps=3"]) == 130
+    assert _one_line(capsys.readouterr().err) == "composer-jax pretrain: interrupted"

@@ -1,8 +1,8 @@
-"""How a run stops and how it starts again.
+"""How a run stops and how it starts again (the pieces pretraining, SFT and RL share).
 
-Stopping:  it is told to: SIGINT (Ctrl-C) and SIGTERM (the preemption signal of SLURM and
-Kubernetes) become a request to stop at the next step boundary, where the loop saves a checkpoint and
-returns; a second signal ends the process at once.
+Stopping: SIGINT (Ctrl-C) and SIGTERM (the preemption signal of SLURM and Kubernetes) become a request
+to stop at the next step boundary, where the loop saves a checkpoint and returns; a second signal ends
+the process at once.
 
 Exit status of a run stopped this way: 128 + the signal number, as shells report a process killed by
 that signal (130 for SIGINT, 143 for SIGTERM), so schedulers and scripts can tell "interrupted and
@@ -94,7 +94,8 @@ def schedule_on_resume(cfg: RunConfig, saved: dict, step: int) -> tuple[RunConfi
     one, with steps left to run, needs `optimizer.on_extend`: "continue" keeps the old schedule (the rate
     stays decayed after its end), "restart" runs warmup-stable-decay again over steps step+1..train.steps;
     "refuse" (the default) is a ConfigError that says so."""
-    from composer_jax.train.optimizer import wsd_schedule
+    from composer_jax.train.optimizer import wsd_schedule  # jax: imported only when needed
+
 
     saved_steps = saved["train"]["steps"]
     old = dataclasses.replace(cfg.optimizer, schedule_start=saved["optimizer"].get("schedule_start", 0),

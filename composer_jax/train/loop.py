@@ -211,9 +211,10 @@ class Trainer:
                     if step > start and saved != step:
                         self.save(step)
                         saved = step
+                self.checkpoints.wait()  # committed while a signal still only asks to stop
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
                            skipped_records=self.batches.skips.summary(), end_step=step)
-            if stop.requested:
+            if stop.requested and step < tc.steps:
                 checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
                 summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
         finally:
