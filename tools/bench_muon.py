@@ -20,7 +20,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
+
+use_cpu_devices(8)  # before jax starts its backend
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -175,7 +177,8 @@ def main(argv=None):
     common = dict(learning_rate=0.02, muon_weight_dimension_numbers=dims)
 
     def ours(steps):
-        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=args.chunks, **common)
+        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=args.chunks,
+                    meshes=tuple(meshes(AxisType.Explicit).values()), **common)
 
     def theirs(steps):
         return optax.contrib.muon(ns_steps=steps, **common)

@@ -11,6 +11,7 @@ with non-Explicit axes, or without a mesh, are handled in the global view (XLA p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -34,6 +35,39 @@ def _shard_map(fn, bucket: Bucket, in_specs, out_specs, check_vma=True):
             return mapped(*args)
 
     return run
+
+
+def _all_to_all(x: jax.Array, axes: tuple[str, ...], sizes: tuple[int, ...], split: int, concat: int) -> jax.Array:
+    """`jax.lax.all_to_all(x, axes, split, concat, tiled=True)` as one single-axis all-to-all per mesh axis.
+
+    XLA in jax 0.11 aborts (`Adjacent axes in dimension sharding can be merged`) on a collective over
+    several axes of one mesh when the program also holds arrays of the other grid and those axes map to
+    adjacent pieces of one of its axes; single-axis collectives are unaffected. Chunk g of the split
+    dimension goes to the device of row-major coordinates g over `axes`; received chunks are
+    concatenated in that order.
+    """
+    if len(axes) == 1:
+        return jax.lax.all_to_all(x, axes[0], split, concat, tiled=True)
+    k, group = len(axes), math.prod(sizes)
+    shape = x.shape
+    x = x.reshape(shape[:split] + tuple(sizes) + (shape[split] // group,) + shape[split + 1:])
+    for i, name in enumerate(axes):  # destination coordinate i -> source coordinate i
+        x = jax.lax.all_to_all(x, name, split + i, split + i, tiled=False)
+    c = split + k if concat == split else concat if concat < split else concat + k
+    c = c - k if c > split else c                                   # its index once the k dims move
+    x = jnp.moveaxis(x, list(range(split, split + k)), [c + i for i in range(k)])
+    return x.reshape(x.shape[:c] + (group * x.shape[c + k],) + x.shape[c + k + 1:])
+
+
+def _all_gather(x: jax.Array, axes: tuple[str, ...], axis: int) -> jax.Array:
+    """Tiled `jax.lax.all_gather` over several mesh axes (row-major), one axis at a time (see `_all_to_all`)."""
+    for name in reversed(axes):
+        x = jax.lax.all_gather(x, name, axis=axis, tiled=True)
+    return x
+
+
+def _sizes(bucket: Bucket, axes: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(bucket.mesh.shape[a] for a in axes)
 
 
 def _stack_spec(bucket: Bucket):
@@ -67,7 +101,7 @@ def _gather(bucket: Bucket, blocks: Sequence[jax.Array]) -> tuple[jax.Array, ...
             for pos, axes in bucket.gathered:
                 if bucket.needs_cpu_barrier:
                     y = jax.lax.optimization_barrier(y)
-                y = jax.lax.all_to_all(y, axes, 0, 1 + pos, tiled=True)
+                y = _all_to_all(y, axes, _sizes(bucket, axes), 0, 1 + pos)
             out.append(y.reshape(piece.size, m, n))
         return tuple(out)
 
@@ -85,11 +119,11 @@ def _scatter(bucket: Bucket, pieces: Sequence[jax.Array]) -> tuple[jax.Array, ..
         for y, piece in zip(pieces, bucket.pieces):
             y = y.reshape((piece.size,) + global_mat)
             for pos, axes in reversed(bucket.gathered):
-                y = jax.lax.all_to_all(y, axes, 1 + pos, 0, tiled=True)
+                y = _all_to_all(y, axes, _sizes(bucket, axes), 1 + pos, 0)
             parts.append(y.reshape((k, piece.size) + local_mat))
         x = jnp.concatenate(parts, axis=1).reshape((k * layers,) + local_mat)
         if bucket.replicated:
-            x = jax.lax.all_gather(x, bucket.replicated, axis=0, tiled=True)
+            x = _all_gather(x, bucket.replicated, axis=0)
         x = _rotate_last(jnp.swapaxes(x.reshape((slots, layers) + local_mat), 0, 1), -bucket.offset)
         x = x.reshape((slots * layers,) + local_mat)
         out, start = [], 0

@@ -50,7 +50,9 @@ def python_prefixes() -> list[str]:
 
 def sandbox_env(extra: Mapping[str, str] | None, home: str, workspace: str) -> dict[str, str]:
     """The fixed environment of a sandboxed command: ENV_ALLOWLIST values plus the caller's `extra`."""
-    bins = [str(Path(p) / "bin") for p in python_prefixes()]
+    # The running interpreter's own bin first: in a virtualenv, `python` there is the venv's (with its
+    # site-packages), while the realpath of the interpreter is the base Python's.
+    bins = list(dict.fromkeys([str(Path(sys.executable).parent)] + [str(Path(p) / "bin") for p in python_prefixes()]))
     env = {
         "PATH": ":".join([*bins, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]),
         "HOME": home, "TMPDIR": "/tmp", "PWD": workspace, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
@@ -94,11 +96,11 @@ def bwrap_args(workspace: Path, limits: Limits, env: Mapping[str, str],
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    for path in python_prefixes():
-        if not any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS):
-            args += ["--ro-bind", path, path]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
              "--dir", SANDBOX_HOME, "--bind", str(workspace), SANDBOX_WORKSPACE]
+    for path in python_prefixes():  # after the /tmp tmpfs, which would hide a virtualenv under /tmp
+        if not any(path == d or path.startswith(d + "/") for d in SYSTEM_DIRS):
+            args += ["--ro-bind", path, path]
     for host, inside in ro_binds.items():
         args += ["--ro-bind", str(host), inside]
     args += ["--remount-ro", "/", "--chdir", SANDBOX_WORKSPACE]
