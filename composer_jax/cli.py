@@ -12,8 +12,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 
+import composer_jax
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ConfigError
 from composer_jax.cpu_devices import use_cpu_devices
@@ -44,11 +46,6 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a YAML path or a bundled model config name (tiny, kimi-k2.5, deepseek-v3)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. mtp.num_layers=1")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -94,11 +91,23 @@ def _info_table(name: str, info, cfg) -> str:
     return "\n".join(out)
 
 
-def _run_info(args) -> int:
+def _load_model_or_run_config(name: str, overrides):
+    """(ModelConfig, RunConfig or None) of a model config or a run config (bundled name or YAML path)."""
     from composer_jax.config import load_config
+    from composer_jax.train.config import is_run_config, load_run_config
+
+    if is_run_config(name):
+        run = load_run_config(name, overrides)
+        return run.model, run
+    return load_config(name, overrides), None
+
+
+def _run_info(args) -> int:
     from composer_jax.model.accounting import model_info
 
-    cfg = load_config(args.config, args.overrides)
+    cfg, run = _load_model_or_run_config(args.config, args.overrides)
+    if args.seq_len is None and run is not None:
+        args.seq_len = run.train.seq_len
     if args.seq_len is not None and args.seq_len > cfg.rope.max_position_embeddings:
         raise ConfigError("", f"--seq-len {args.seq_len} exceeds rope.max_position_embeddings="
                               f"{cfg.rope.max_position_embeddings}")
@@ -114,9 +123,12 @@ def _add_info(sub) -> None:
     p = sub.add_parser("info", help="parameter counts, active params and training FLOPs of a model config",
                        description="Count parameters (total, per component, active per token) and training "
                                    "FLOPs per token from the abstract model; allocates nothing.")
-    _add_config_args(p)
+    p.add_argument("config", help="a model config (YAML path or bundled name: tiny, kimi-k2.5, deepseek-v3) or a run "
+                                  "config (e.g. pretrain-tiny: its model, at its train.seq_len)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. mtp.num_layers=1")
     p.add_argument("--seq-len", type=_positive_int, default=None,
-                   help="sequence length for attention FLOPs (default: rope.original_max_position_embeddings)")
+                   help="sequence length for attention FLOPs (default: a run config's train.seq_len, else "
+                        "rope.original_max_position_embeddings)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     p.set_defaults(run=_run_info)
 
@@ -208,7 +220,7 @@ def _run_export(args) -> int:
     progress = _log_to_stderr("export", args.quiet)
     export(args.src, args.dst, cfg=cfg, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
            workers=args.workers, chunk_bytes=args.chunk_mb << 20, overwrite=args.overwrite, restart=args.restart,
-           progress=progress)
+           progress=progress, mtp=not args.no_mtp)
     return 0
 
 
@@ -224,6 +236,8 @@ def _add_export(sub) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="weight dtype (default: each parameter's dtype; the router bias stays float32)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size in GiB (default 5)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the MTP depths out (transformers has no MTP module and reports them as UNEXPECTED)")
     p.set_defaults(run=_run_export)
 
 
@@ -249,9 +263,13 @@ def _run_training(args, command: str) -> int:
         raise ConfigError("data.format", "sft trains on conversations (loss on assistant tokens): set data.format=chat")
     use_cpu_devices(cfg.train.cpu_devices)
     _quiet_logging()
+    from composer_jax.train.lifecycle import interrupted_line
     from composer_jax.train.loop import train
 
     s = train(cfg)
+    if "interrupted" in s:
+        print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        return s["exit_status"]
     line = f"{command}: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_eval_loss" in s and "last_eval_loss" in s:
         drop = 100 * (1 - s["last_eval_loss"] / s["first_eval_loss"])
@@ -261,7 +279,7 @@ def _run_training(args, command: str) -> int:
     if s["skipped_steps"]:
         line += f"; {s['skipped_steps']} non-finite steps skipped"
     if s["skipped_records"]:
-        line += "; skipped records: " + ", ".join(f"{k} {v}" for k, v in s["skipped_records"].items())
+        line += f"; data: {s['skipped_records']} (listed in {s['skip_file']})"
     print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/; "
           f"plot: composer-jax plot {cfg.run_dir})")
     return 0
@@ -300,6 +318,48 @@ def _add_plot(sub) -> None:
     p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
     p.set_defaults(run=_run_plot)
+
+
+# ----------------------------------------------------------------------------------------------------
+# config show / keys
+
+
+def _run_config_show(args) -> int:
+    import yaml
+
+    from composer_jax.config import to_dict
+
+    model, run = _load_model_or_run_config(args.name, args.overrides)
+    print(yaml.safe_dump(to_dict(run if run is not None else model), sort_keys=False), end="")
+    return 0
+
+
+def _run_config_keys(args) -> int:
+    from composer_jax.config import ModelConfig, describe_keys
+    from composer_jax.train.config import RunConfig
+
+    keys = describe_keys(RunConfig if args.kind == "run" else ModelConfig)
+    w_key, w_default = max(len(k.key) for k in keys), max(len(k.default) for k in keys)
+    print(f"{'key':<{w_key}}  {'default':<{w_default}}  meaning [type]")
+    for k in keys:
+        print(f"{k.key:<{w_key}}  {k.default:<{w_default}}  {k.meaning + ' ' if k.meaning else ''}[{k.type}]")
+    return 0
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="print a resolved config, or every config key with its default and meaning")
+    config_sub = p.add_subparsers(dest="config_command", required=True, metavar="command")
+    show = config_sub.add_parser("show", help="the resolved config as YAML (loadable as a config file)",
+                                 description="Resolve a run config (e.g. pretrain-tiny) or a model config (e.g. "
+                                             "tiny) with overrides, every default filled in, and print it as YAML.")
+    show.add_argument("name", metavar="NAME", help="a bundled config name or a YAML path")
+    show.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    show.set_defaults(run=_run_config_show)
+    keys = config_sub.add_parser("keys", help="every key with its default and meaning",
+                                 description="List every key of a run config (model.* included) or of a model "
+                                             "config, with its default, its meaning and its type.")
+    keys.add_argument("kind", nargs="?", choices=("run", "model"), default="run", help="which config (default: run)")
+    keys.set_defaults(run=_run_config_keys)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -405,24 +465,39 @@ def _add_tasks(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="composer-jax", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"composer-jax {composer_jax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     _add_info(sub)
     _add_pretrain(sub)
     _add_sft(sub)
     _add_plot(sub)
+    _add_config(sub)
     _add_convert(sub)
     _add_export(sub)
     _add_tasks(sub)
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `args` ran, for usage errors that show its own usage."""
+    for name in ("command", "tasks_command", "config_command"):
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or getattr(args, name, None) not in sub.choices:
+            break
+        parser = sub.choices[getattr(args, name)]
+    return parser
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv
     # Overrides given after an option land in `extra`; anything else there is a genuine usage error.
     unknown = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        hint = " (config values are key=value overrides, e.g. train.steps=5)" if hasattr(args, "default_config") else ""
+        _subcommand_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if extra:
         args.overrides = list(args.overrides) + extra
     try:
@@ -430,6 +505,11 @@ def main(argv=None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, DataError) as e:
         print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles it): nothing to save
+        from composer_jax.train.lifecycle import exit_status
+
+        print(f"composer-jax {args.command}: interrupted", file=sys.stderr)
+        return exit_status(signal.SIGINT)
 
 
 if __name__ == "__main__":

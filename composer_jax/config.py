@@ -8,9 +8,15 @@ one, a bad type names the expected type, an impossible value names the constrain
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
 import math
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -310,17 +316,29 @@ def apply_overrides(cls: type, data: dict, overrides) -> dict:
     return data
 
 
+CONFIG_KINDS = {"model": CONFIG_DIR / "model", "run": CONFIG_DIR}  # where each kind's bundled configs live
+
+
+def bundled_configs(kind: str) -> list[str]:
+    """Names of the bundled configs of `kind` ('model' or 'run')."""
+    return sorted(p.stem for p in CONFIG_KINDS[kind].glob("*.yaml"))
+
+
 def resolve_config_path(path_or_name: str | Path, kind: str = "model") -> Path:
-    """A YAML path, or a bundled config name such as `tiny` (-> configs/<kind>/tiny.yaml)."""
-    path = Path(path_or_name)
+    """A YAML path, or the name of a bundled config of `kind` ('model': configs/model/tiny.yaml for
+    `tiny`; 'run': configs/pretrain-tiny.yaml for `pretrain-tiny`)."""
+    path = Path(path_or_name).expanduser()
     if path.is_file():
         return path
-    bundled = CONFIG_DIR / kind / f"{path_or_name}.yaml"
+    bundled = CONFIG_KINDS[kind] / f"{path_or_name}.yaml"
     if bundled.is_file():
         return bundled
-    names = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
-    raise FileNotFoundError(f"config {str(path_or_name)!r} is neither a file nor a bundled {kind} config "
-                            f"(bundled: {', '.join(names)})")
+    text = str(path_or_name)
+    hint = ""
+    if "." in text and "/" not in text and not text.endswith((".yaml", ".yml")):
+        hint = f"; to override a key write {text}=VALUE"
+    raise FileNotFoundError(f"config {text!r} is neither a file nor a bundled {kind} config "
+                            f"(bundled: {', '.join(bundled_configs(kind))}){hint}")
 
 
 def read_yaml(path: Path) -> dict:
@@ -334,6 +352,21 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
+def override_origin(error: ConfigError, path: Path, command_line) -> ConfigError:
+    """`error` with where its key was set: `command_line` ({dotted key: 'key=value' text}) or file `path`."""
+    if not error.key:  # not about a key (a malformed override): says what it is already
+        return error
+    for key, text in command_line.items():
+        if error.key == key or key.startswith(error.key + ".") or error.key.startswith(key + "."):
+            return ConfigError(error.key, f"{error.detail} (command-line override {text})")
+    return ConfigError(error.key, f"{error.detail} (in {path})")
+
+
+def command_line_overrides(overrides) -> dict[str, str]:
+    """{dotted key: its text} of `key=value` strings (other items, already parsed, are left out)."""
+    return {o.partition("=")[0].strip(): o for o in overrides if isinstance(o, str)}
+
+
 def load_config(path_or_name: str | Path, overrides=(), cls: type = ModelConfig):
     """Read a YAML config, apply overrides, and return the validated, frozen `cls` instance."""
     path = resolve_config_path(path_or_name)
@@ -341,7 +374,56 @@ def load_config(path_or_name: str | Path, overrides=(), cls: type = ModelConfig)
     try:
         return from_dict(cls, apply_overrides(cls, data, overrides))
     except ConfigError as e:
-        raise ConfigError(e.key, f"{e.detail} (in {path})") from None
+        raise override_origin(e, path, command_line_overrides(overrides)) from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Describing keys: each field's meaning is the comment written beside it (or just above it) in the source.
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """{field name: meaning} of dataclass `cls`, read from its source: the comment that ends the field's
+    line, or the comment lines right above the field. Fields without a comment are left out."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    lines = source.splitlines()
+    docs = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        above, n = [], node.lineno - 1
+        while n in comments and lines[n - 1].lstrip().startswith("#"):
+            above.insert(0, comments[n])
+            n -= 1
+        if trailing or above:
+            docs[node.target.id] = " ".join(trailing or above)
+    return docs
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyInfo:
+    key: str          # dotted path
+    type: str         # the field's type in words
+    default: str      # its default as YAML would write it, or "(required)"
+    meaning: str      # the field's comment ("" if none)
+
+
+def describe_keys(cls: type, prefix: str = "") -> list[KeyInfo]:
+    """Every leaf key of dataclass `cls` (nested sections expanded), with type, default and meaning."""
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += describe_keys(tp, key + ".")
+            continue
+        default = "(required)" if f.default is dataclasses.MISSING else yaml.safe_dump(f.default).strip()
+        default = default.removesuffix("\n...").removesuffix("...").strip()
+        out.append(KeyInfo(key, _type_name(tp), default, docs.get(f.name, "")))
+    return out
 
 
 def replace(cfg, **dotted):

@@ -46,7 +46,27 @@ def test_bad_values_name_the_key(override, key, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config("tiny", override)
     assert err.value.key == key
-    assert f"'{key}'" in str(err.value) and "tiny.yaml" in str(err.value)
+    assert f"'{key}'" in str(err.value) and f"(command-line override {key}" in str(err.value)
+    assert "tiny.yaml" not in str(err.value)  # the override is at fault, not the file
+
+
+def test_errors_blame_the_file_or_the_command_line(tmp_path):
+    """A bad value is attributed to where it was written: the YAML file, or the command-line override."""
+    import yaml
+
+    from composer_jax.config import CONFIG_DIR
+
+    data = yaml.safe_load((CONFIG_DIR / "model" / "tiny.yaml").read_text())
+    data["mla"]["num_heads"] = "two"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rope.factor=2"])
+    assert str(err.value) == f"config key 'mla.num_heads': expected an int, got 'two' (in {path})"
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["mla.num_heads=three"])
+    assert str(err.value) == ("config key 'mla.num_heads': expected an int, got 'three' "
+                              "(command-line override mla.num_heads=three)")
 
 
 def test_malformed_and_incomplete_files(tmp_path):
@@ -61,5 +81,6 @@ def test_malformed_and_incomplete_files(tmp_path):
     assert err.value.key == "hidden_size"
     with pytest.raises(ConfigError, match="not of the form"):
         load_config("tiny", ["moe.dispatch"])
-    with pytest.raises(FileNotFoundError, match="bundled: deepseek-v3, kimi-k2.5, tiny"):
+    with pytest.raises(FileNotFoundError, match=r"is neither a file nor a bundled model config \(bundled: "
+                                                r"deepseek-v3, kimi-k2.5, tiny\)$"):
         load_config("tiny2")

@@ -92,6 +92,27 @@ def test_mtp_layers_round_trip(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
+def test_export_without_mtp_loads_in_transformers_without_unexpected_tensors(tmp_path):
+    """transformers' DeepseekV3ForCausalLM has no MTP module: an export with MTP loads with its tensors
+    reported UNEXPECTED; `--no-mtp` leaves them out and keeps every other tensor as it was."""
+    from tests.test_mtp import _build
+
+    src = tmp_path / "src"
+    src.mkdir()
+    cfg, _, _ = _build(src)
+    convert(src, tmp_path / "orbax")
+    export(tmp_path / "orbax", tmp_path / "with")
+    assert main(["export", str(tmp_path / "orbax"), str(tmp_path / "without"), "--quiet", "--no-mtp"]) == 0
+    _, with_info = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "with", output_loading_info=True)
+    assert with_info["unexpected_keys"] and all(k.startswith(f"model.layers.{cfg.num_layers}.")
+                                                for k in with_info["unexpected_keys"])
+    _, without_info = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "without", output_loading_info=True)
+    assert not without_info["unexpected_keys"] and not without_info["missing_keys"]
+    kept = {k: v for k, v in _tensors(tmp_path / "with").items() if not k.startswith(f"model.layers.{cfg.num_layers}.")}
+    _assert_same_tensors(kept, _tensors(tmp_path / "without"))
+    assert json.loads((tmp_path / "without" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
 def test_sharded_conversion_restores_without_target(tmp_path, tiny_hf):
     from composer_jax.config import MeshConfig
     from composer_jax.parallel import DualMesh, param_shardings

@@ -77,8 +77,11 @@ def test_truncated_and_missing_files(hf_dir, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!!!")
     with pytest.raises(CheckpointError, match="corrupt safetensors header"):
         from_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="nowhere does not exist"):
         from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: no config.json"):
+        from_pretrained(tmp_path / "empty")
 
 
 def test_kimi_k25_layout_loads(hf_dir, tmp_path):

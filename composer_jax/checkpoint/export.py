@@ -48,9 +48,15 @@ TRAIN_ITEMS = ("model", "config/metadata")  # a training checkpoint step: params
 
 
 def _find_params(src: Path) -> Path:
+    if not src.exists():
+        raise CheckpointError(f"{src} does not exist")
     for candidate in (src / orbax_io.PARAMS_DIR, src / TRAIN_ITEMS[0], src):
         if (candidate / "_METADATA").is_file():
             return candidate
+    steps = sorted(int(p.name) for p in (src / "checkpoints").glob("*") if p.name.isdigit())
+    if steps:  # a training run directory: its checkpoints are RUN/checkpoints/STEP
+        raise CheckpointError(f"{src} is a training run directory: export one of its checkpoints, e.g. "
+                              f"{src / 'checkpoints' / str(steps[-1])} (steps: {', '.join(map(str, steps))})")
     raise CheckpointError(f"{src}: neither {src / orbax_io.PARAMS_DIR}, {src / TRAIN_ITEMS[0]} nor {src} is an "
                           "orbax checkpoint (no _METADATA)")
 
@@ -84,18 +90,22 @@ def _write_rows(store, leaf, t, index, start, stop, out_dtype, targets) -> None:
 
 def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, dtype: str | None = None,
            max_shard_bytes: int = 5 << 30, workers: int | None = None, chunk_bytes: int = 64 << 20,
-           overwrite: bool = False, restart: bool = False, progress: bool = False) -> dict:
+           overwrite: bool = False, restart: bool = False, progress: bool = False, mtp: bool = True) -> dict:
     """Export converted model directory `src` (or a training checkpoint step `<run>/checkpoints/<step>`,
     or a bare orbax params checkpoint with `cfg`) to `dst`.
 
     cfg: the ModelConfig (default: `src/model_config.yaml`, or the step's run config). dtype: 'float32' / 'bfloat16' / 'float16'
     for every weight (default: each parameter's own dtype; the router correction bias stays float32).
-    max_shard_bytes: safetensors shard size. Other options as in `convert`. Returns a summary.
+    max_shard_bytes: safetensors shard size. mtp=False leaves the MTP depths out (transformers'
+    DeepseekV3ForCausalLM has no MTP module: it reports their tensors as UNEXPECTED and ignores them).
+    Other options as in `convert`. Returns a summary.
     """
     started = time.monotonic()
-    src = Path(src)
+    src = Path(src).expanduser().absolute()
     params = _find_params(src)
     cfg = cfg or _find_config(src)
+    if not mtp:
+        cfg = config_lib.replace(cfg, **{"mtp.num_layers": 0})
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     tree = orbax_io.OrbaxTree(params)

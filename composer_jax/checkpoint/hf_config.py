@@ -129,6 +129,9 @@ def hf_config_from(cfg: ModelConfig, dtype: str, base: dict | None = None) -> di
 def read_hf_config(path: Path) -> tuple[dict, dict, str]:
     """(whole config.json, its text-model part, the text tensors' key prefix) of a HF directory."""
     cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} {'is not a directory' if path.exists() else 'does not exist'} (expected a "
+                              "Hugging Face model directory)")
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model directory)")
     try:

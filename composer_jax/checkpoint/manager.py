@@ -9,7 +9,8 @@ A checkpoint is a set of named items written under `DIR/<step>/`:
 
 Saves are atomic: orbax writes into a temporary directory and renames it when every file is
 committed, so a process killed mid-save leaves the previous checkpoint as the latest complete one
-(the partial directory is never listed, and is removed when the manager is next opened).
+(the partial directory is never listed, and is removed when the manager is next opened). Opening a
+manager creates nothing: DIR is made by the first save, so a run that fails to start leaves no trace.
 
 This module knows nothing about models or training: callers name the items and hand it the abstract
 target when restoring.
@@ -35,7 +36,7 @@ class TrainCheckpointer:
         self.array_items, self.json_items = tuple(array_items), tuple(json_items)
         options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
                                                enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True, create=True)
+                                               cleanup_tmp_directories=True, create=False)
         # Handlers per item, so that item metadata (shapes, dtypes) can be read without restoring.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item in self.array_items:

@@ -109,7 +109,7 @@ class OrbaxTree:
     """Slice-readable leaves of an orbax PyTree checkpoint directory."""
 
     def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # orbax's tensorstore specs need absolute paths
         meta_file = self.directory / "_METADATA"
         if not meta_file.is_file():
             raise CheckpointError(f"{self.directory}: not an orbax PyTree checkpoint (no _METADATA)")

@@ -19,18 +19,19 @@ class DataConfig:
     assistant tokens only).
     """
 
+    # where records come from (see the class docstring)
     kind: Literal["text_tree", "python_functions", "jsonl", "parquet", "array_record"] = "text_tree"
-    path: str = "stdlib"
+    path: str = "stdlib"                 # a file or directory; "stdlib" = this Python's standard library
     glob: str = ""                       # file pattern under `path`; "" = the kind's default (*.py, *.jsonl...)
     exclude: str = "site-packages"       # comma-separated path components to leave out
-    format: Literal["text", "chat"] = "text"
+    format: Literal["text", "chat"] = "text"   # text: documents; chat: conversations, loss on assistant tokens
     field: str = ""                      # record field: "" = "text" for text, "messages" for chat
     tokenizer: str = "byte"              # "byte", a tokenizer.json, or a tiktoken BPE file
     append_eos: bool = False             # end each text document with the tokenizer's EOS id
     eval_fraction: float = 0.05          # held-out share of records (stable hash of the record key)
-    shuffle: bool = True
-    seed: int = 0
-    max_file_bytes: int = 1_000_000      # larger files of a tree are skipped (counted, logged)
+    shuffle: bool = True                 # shuffle the train records (anew each epoch)
+    seed: int = 0                        # the shuffle's seed
+    max_file_bytes: int = 1_000_000      # larger files of a tree are skipped (counted, listed)
     read_threads: int = 2                # grain reader threads
     prefetch: int = 64                   # grain prefetch buffer (records)
 

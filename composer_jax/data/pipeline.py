@@ -87,7 +87,7 @@ class Example:
             except chat.ConversationError as e:
                 return self.skips.skip("bad_conversation", f"{where} ({e})")
             if len(tokens) > self.seq_len:
-                self.skips.skip("truncated", f"{where} ({len(tokens)} tokens > seq_len {self.seq_len})")
+                self.skips.keep_truncated(f"{where} ({len(tokens)} tokens > seq_len {self.seq_len})")
                 tokens, mask = tokens[: self.seq_len], mask[: self.seq_len]
             if not mask[1:].any():  # the first token is never a target
                 return self.skips.skip("no_target_tokens", where)
@@ -107,8 +107,8 @@ def _probe(subset: _Subset, example: Example, cfg: DataConfig, split: str) -> No
     """Fail fast, by path, when the first records of a split all fail to yield an example. Probing
     neither logs nor counts skips (the pipeline reads these records again)."""
     skips = example.skips
-    before, log_first = collections.Counter(skips.counts), skips.log_first
-    skips.log_first = 0
+    before, truncated = collections.Counter(skips.counts), skips.truncated
+    skips.muted = True
     try:
         n = min(len(subset), PROBE_RECORDS)
         for i in range(n):
@@ -117,7 +117,7 @@ def _probe(subset: _Subset, example: Example, cfg: DataConfig, split: str) -> No
                 return
         reasons = ", ".join(f"{k} x{v}" for k, v in (skips.counts - before).items())
     finally:
-        skips.counts, skips.log_first = before, log_first
+        skips.counts, skips.truncated, skips.muted = before, truncated, False
     raise DataError(f"data path {resolve_root(cfg.path)}: none of the first {n} {split} records is usable "
                     f"({reasons or 'no records'}); check data.kind={cfg.kind!r}, data.field, data.format")
 

@@ -3,9 +3,9 @@
 Every source is a grain `RandomAccessDataSource` (`__len__`, `__getitem__`) whose records are plain
 dicts: `{"text": ...}` for a text tree, the JSON object of a JSONL line or an ArrayRecord record, the
 row of a Parquet file. A record that cannot be used (binary or unreadable file, malformed JSON, a file
-over the size limit) comes back as `None`, which grain drops; `SkipLog` counts it by reason and logs
-the first few culprits. Paths that cannot be used at all (missing, unreadable, matching no files) are a
-`DataError` naming the path.
+over the size limit) comes back as `None`, which grain drops; `SkipLog` counts it by reason and lists
+it (path relative to the data root) in the run's skip file. Paths that cannot be used at all (missing,
+unreadable, matching no files) are a `DataError` naming the path.
 
 `split_indices` gives a deterministic held-out split keyed by a stable hash of each record's key (the
 relative file path for trees, the record index otherwise), independent of machine and Python hashing.
@@ -17,7 +17,6 @@ import bisect
 import collections
 import hashlib
 import json
-import logging
 import sysconfig
 import threading
 from pathlib import Path
@@ -26,33 +25,74 @@ import numpy as np
 
 from composer_jax.data.errors import DataError
 
-log = logging.getLogger(__name__)
 
 STDLIB = "stdlib"  # the special data path: this Python's standard library sources
 DEFAULT_GLOBS = {"text_tree": "**/*", "python_functions": "**/*.py", "jsonl": "**/*.jsonl",
                  "parquet": "**/*.parquet", "array_record": "**/*.array_record*"}
 BINARY_SNIFF_BYTES = 8192
+HELD_LINES = 10_000  # skip lines kept in memory until the skip file is set (a run sets it as it starts)
 
 
 class SkipLog:
-    """Thread-safe counts of skipped records by reason; logs the first `log_first` of each reason."""
+    """Thread-safe counts of skipped records by reason, and of records kept truncated; nothing goes to
+    the console (the run prints a summary). Each one is a line of the file set by `write_to` (the run's
+    `skipped_records.log`), in full; lines from before it is set (up to HELD_LINES) are held and written
+then. `muted`
+    (for probing reads) counts without writing."""
 
-    def __init__(self, log_first: int = 3):
+    def __init__(self, muted: bool = False):
         self._lock = threading.Lock()
         self.counts: collections.Counter = collections.Counter()
-        self.log_first = log_first
+        self.truncated = 0
+        self.muted = muted
+        self._file, self._held = None, []
+
+    def _record(self, line: str) -> None:
+        if self.muted:
+            return
+        if self._file is None:
+            if len(self._held) < HELD_LINES:
+                self._held.append(line)
+        else:
+            self._file.write(line)
 
     def skip(self, reason: str, culprit: str) -> None:
+        """Count a record that is left out (returns None: sources return it for a dropped record)."""
         with self._lock:
             self.counts[reason] += 1
-            n = self.counts[reason]
-        if n <= self.log_first:
-            log.warning("skipping %s: %s%s", culprit, reason,
-                        " (further skips of this kind are only counted)" if n == self.log_first else "")
+            self._record(f"skipped ({reason}): {culprit}\n")
+
+    def keep_truncated(self, culprit: str) -> None:
+        """Count a record that is kept but cut to the row length."""
+        with self._lock:
+            self.truncated += 1
+            self._record(f"truncated: {culprit}\n")
+
+    def write_to(self, path: Path, header: str) -> None:
+        """From now on append every line to `path` (a `# header` line first), held lines included."""
+        with self._lock:
+            self._file = open(path, "a", buffering=1)
+            self._file.write(f"# {header}\n" + "".join(self._held))
+            self._held = []
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    def summary(self) -> str:
+        """e.g. 'skipped records: binary 2, empty 1; truncated 4' ('' when nothing happened)."""
+        parts = []
+        if self.counts:
+            parts.append("skipped records: " + ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items())))
+        if self.truncated:
+            parts.append(f"truncated {self.truncated}")
+        return "; ".join(parts)
 
 
 def resolve_root(path: str) -> Path:
@@ -84,23 +124,25 @@ def list_files(path: str, pattern: str, exclude: tuple[str, ...] = ()) -> tuple[
     return root, files
 
 
-def read_text_file(path: Path, max_bytes: int, skips: SkipLog) -> str | None:
-    """The file's UTF-8 text, or None (counted in `skips`) if unreadable, binary, empty or too large."""
+def read_text_file(path: Path, max_bytes: int, skips: SkipLog, name: str | None = None) -> str | None:
+    """The file's UTF-8 text, or None (counted in `skips` under `name`, default the path) if unreadable,
+    binary, empty or too large."""
+    name = name or str(path)
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            return skips.skip("too_large", f"{path} ({size} bytes > data.max_file_bytes={max_bytes})")
+            return skips.skip("too_large", f"{name} ({size} bytes > data.max_file_bytes={max_bytes})")
         data = path.read_bytes()
     except OSError as e:
-        return skips.skip("unreadable", f"{path} ({e.strerror or e})")
+        return skips.skip("unreadable", f"{name} ({e.strerror or e})")
     if b"\0" in data[:BINARY_SNIFF_BYTES]:
-        return skips.skip("binary", str(path))
+        return skips.skip("binary", name)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        return skips.skip("binary", f"{path} (not UTF-8)")
+        return skips.skip("binary", f"{name} (not UTF-8)")
     if not text.strip():
-        return skips.skip("empty", str(path))
+        return skips.skip("empty", name)
     return text
 
 
@@ -119,7 +161,7 @@ class TextTreeSource:
 
     def __getitem__(self, i: int) -> dict | None:
         rel = self.files[i]
-        text = read_text_file(self.root / rel, self.max_bytes, self.skips)
+        text = read_text_file(self.root / rel, self.max_bytes, self.skips, name=rel)
         return None if text is None else {"text": text, "path": rel}
 
 
@@ -151,7 +193,7 @@ class JsonlSource:
         f = bisect.bisect_right(self._starts, i) - 1
         line_no = i - self._starts[f]
         start, end = self._offsets[f][line_no], self._offsets[f][line_no + 1]
-        where = f"{self.root / self.files[f]}:{line_no + 1}"
+        where = f"{self.files[f]}:{line_no + 1}"
         with open(self.root / self.files[f], "rb") as fh:
             fh.seek(start)
             raw = fh.read(end - start)

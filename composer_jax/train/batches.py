@@ -39,7 +39,7 @@ class Batches:
         self.eval_data = None
         if cfg.data.eval_fraction > 0:
             self.eval_data = build_dataset(cfg.data, self.tokenizer, split="eval", repeat=False,
-                                           skips=SkipLog(log_first=0), **per_process)
+                                           skips=SkipLog(muted=True), **per_process)
         self.iterator = iter(self.train_data)
         self._eval_batches = None
 

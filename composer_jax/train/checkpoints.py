@@ -90,5 +90,9 @@ class RunCheckpoints:
     def config(self, step: int | None = None) -> dict:
         return self._ckpt.restore(step, {}, json_items=("config",))["config"]
 
+    def wait(self) -> None:
+        """Block until a save in progress is committed."""
+        self._ckpt.wait()
+
     def close(self) -> None:
         self._ckpt.close()

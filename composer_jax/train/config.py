@@ -13,8 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, from_dict, parse_override,
-                                 read_yaml, resolve_config_path)
+from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, command_line_overrides,
+                                 from_dict, override_origin, parse_override, read_yaml, resolve_config_path)
 from composer_jax.data.config import DataConfig
 
 
@@ -22,18 +22,24 @@ from composer_jax.data.config import DataConfig
 class OptimizerConfig:
     """The optimizer and its warmup-stable-decay (WSD) learning-rate schedule."""
 
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-3
+    name: Literal["adamw", "muon"] = "adamw"   # muon: Muon for matrices, AdamW for the rest
+    lr: float = 3e-3                  # peak learning rate (after warmup)
     warmup_steps: int = 20            # linear warmup from 0
     decay_fraction: float = 0.2       # the last fraction of the steps decays to lr * min_lr_ratio
-    decay_shape: Literal["linear", "cosine"] = "linear"
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    decay_shape: Literal["linear", "cosine"] = "linear"   # how the rate falls over the decay fraction
+    min_lr_ratio: float = 0.1         # the rate at the end of the decay, as a fraction of lr
+    b1: float = 0.9                   # Adam's first-moment decay
+    b2: float = 0.95                  # Adam's second-moment decay
+    eps: float = 1e-8                 # Adam's denominator epsilon
     weight_decay: float = 0.1         # decoupled; matrices only (reduction/output metadata): not norms, embedding, head
     max_grad_norm: float = 1.0        # global-norm clipping; 0 disables
     ns_dtype: Literal["float32", "bfloat16"] = "float32"   # Muon's Newton-Schulz compute dtype
+    # Resuming with a different train.steps changes the schedule: "refuse" (say so and stop), "continue"
+    # (keep the old schedule: after its end the rate stays decayed) or "restart" (warmup, stable, decay
+    # again over the steps still to run).
+    on_extend: Literal["refuse", "continue", "restart"] = "refuse"
+    schedule_start: int = 0           # the schedule runs over steps [schedule_start, schedule_end] (set on resume)
+    schedule_end: int = 0             # 0 = train.steps
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -48,13 +54,18 @@ class OptimizerConfig:
             raise ConfigError("b1", "b1 and b2 must be in [0, 1)")
         if self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError("weight_decay", "weight_decay and max_grad_norm must be >= 0")
+        if self.schedule_start < 0 or self.schedule_end < 0:
+            raise ConfigError("schedule_start", "schedule_start and schedule_end must be >= 0")
+        if self.schedule_end and self.schedule_end <= self.schedule_start:
+            raise ConfigError("schedule_end", f"must be > schedule_start={self.schedule_start}, "
+                                              f"got {self.schedule_end}")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 100                  # save every N steps (and at the last step)
     keep: int = 3                     # keep the K most recent
-    async_save: bool = True
+    async_save: bool = True           # write in the background while training continues
 
     def __post_init__(self):
         if self.every <= 0 or self.keep <= 0:
@@ -63,16 +74,16 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300                  # optimizer steps of the whole run (a resumed run continues to it)
     batch_size: int = 16              # rows per optimizer step (all devices, all micro-batches)
-    seq_len: int = 128
+    seq_len: int = 128                # tokens per packed row
     grad_accum: int = 1               # micro-batches per step; batch_size must divide evenly
     remat: Literal["none", "full", "dots"] = "none"   # rematerialise the forward in the backward
     loss_chunk: int = 512             # sequence positions per cross-entropy chunk: [batch, chunk, vocab] logits
     mtp_distill_weight: float = 0.1   # MTP self-distillation KL toward the main head (stop-gradient)
-    log_every: int = 10
+    log_every: int = 10               # metrics (and throughput) every N steps: the host syncs only then
     eval_every: int = 100             # held-out loss every N steps (also at step 0 and the end)
-    eval_batches: int = 8
+    eval_batches: int = 8             # held-out batches per evaluation (the same ones each time)
     progress: bool = True             # the progress bar (stderr)
     peak_flops: float = 0.0           # per-device peak FLOP/s for MFU; 0 = by device kind / measured on CPU
     num_devices: int = 0              # devices to use; 0 = all
@@ -99,7 +110,7 @@ class RunConfig:
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    run_dir: str = "runs/default"
+    run_dir: str = "runs/default"     # where the run writes everything; relative = to the current directory
 
     def __post_init__(self):
         max_len = self.model.rope.max_position_embeddings
@@ -114,24 +125,47 @@ def to_dict(cfg: RunConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def resolve_run_paths(cfg: RunConfig) -> RunConfig:
+    """`run_dir` and `train.init_from` as absolute paths (`~` expanded, relative ones against the current
+    directory), so a resolved config means the same wherever it is read."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().absolute()) if path else path
+
+    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir),
+                               train=dataclasses.replace(cfg.train, init_from=absolute(cfg.train.init_from)))
+
+
+def is_run_config(path_or_name: str | Path) -> bool:
+    """Whether `path_or_name` is a run config: a bundled one, or a YAML file with a `model` key (model
+    configs have none)."""
+    try:
+        path = resolve_config_path(path_or_name, kind="run")
+    except FileNotFoundError:
+        return False
+    return "model" in read_yaml(path)
+
+
 def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
-    """Read a run YAML (a path or a name under configs/), inline its model, apply overrides, validate."""
-    path = resolve_config_path(path_or_name, kind="")
+    """Read a run YAML (a path or a name under configs/), inline its model, apply overrides, validate;
+    run paths are made absolute (`resolve_run_paths`)."""
+    path = resolve_config_path(path_or_name, kind="run")
     data = read_yaml(path)
+    command_line = command_line_overrides(overrides)
     # Dotted top-level keys in the YAML (`model.rope.factor: 8`) act as overrides, before the CLI's.
     in_file = [(k, data.pop(k)) for k in [k for k in data if isinstance(k, str) and "." in k]]
-    overrides = in_file + [parse_override(o) if isinstance(o, str) else o for o in overrides]
-    for key, value in overrides:
-        if key == "model":
-            data["model"] = value
-    if "model" not in data:
-        raise ConfigError("model", f"required key is missing (in {path})")
-    if isinstance(data["model"], str):
-        try:
-            data["model"] = read_yaml(resolve_config_path(data["model"], kind="model"))
-        except FileNotFoundError as e:
-            raise ConfigError("model", str(e)) from None
     try:
-        return from_dict(RunConfig, apply_overrides(RunConfig, data, {k: v for k, v in overrides if k != "model"}))
+        overrides = in_file + [parse_override(o) if isinstance(o, str) else o for o in overrides]
+        for key, value in overrides:
+            if key == "model":
+                data["model"] = value
+        if "model" not in data:
+            raise ConfigError("model", "required key is missing")
+        if isinstance(data["model"], str):
+            try:
+                data["model"] = read_yaml(resolve_config_path(data["model"], kind="model"))
+            except FileNotFoundError as e:
+                raise ConfigError("model", str(e)) from None
+        cfg = from_dict(RunConfig, apply_overrides(RunConfig, data, {k: v for k, v in overrides if k != "model"}))
     except ConfigError as e:
-        raise ConfigError(e.key, f"{e.detail} (in {path})") from None
+        raise override_origin(e, path, command_line) from None
+    return resolve_run_paths(cfg)

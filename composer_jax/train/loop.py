@@ -5,9 +5,10 @@ data (`train.batches.Batches`), restores the latest checkpoint of `RUN_DIR/check
 one (`train.checkpoints.RunCheckpoints`: params, optimizer state, step, router biases and the
 data-iterator state, so the run continues exactly where it stopped), otherwise starts fresh or from
 `train.init_from`'s params (context extension, SFT), then runs jitted, donated steps. Host
-synchronisation happens only every `log_every` steps (metrics) and at evals and checkpoints.
-Everything a run writes lives in RUN_DIR: `config.yaml` (resolved), `metrics.jsonl`, `tb/`
-(TensorBoard) and `checkpoints/`.
+synchronisation happens only every `log_every` steps (metrics) and at evals and checkpoints. SIGINT or
+SIGTERM stops the loop after the current step with a checkpoint of it (`train.lifecycle`). Everything
+a run writes lives in RUN_DIR: `config.yaml` (resolved), `metrics.jsonl`, `tb/` (TensorBoard),
+`skipped_records.log` and `checkpoints/`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import yaml
 
 from composer_jax.config import ConfigError
+from composer_jax.data.sources import resolve_root
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.mesh import BATCH_AXES
@@ -30,9 +32,12 @@ from composer_jax.train import step as step_lib
 from composer_jax.train.batches import Batches
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, to_dict
+from composer_jax.train.lifecycle import StopSignals, schedule_on_resume
 from composer_jax.train.state import StateLayout, TrainState
 
 log = logging.getLogger(__name__)
+
+SKIP_FILE = "skipped_records.log"  # every record the data pipeline skipped or truncated, in full
 
 
 def make_mesh(cfg: RunConfig) -> DualMesh:
@@ -54,38 +59,60 @@ def make_mesh(cfg: RunConfig) -> DualMesh:
 
 
 class Trainer:
-    """One run: layout, data, state, compiled steps, checkpoints and metrics. `run()` trains to the end."""
+    """One run: layout, data, state, compiled steps, checkpoints and metrics. `run()` trains to the end
+    or until SIGINT / SIGTERM (then it saves a checkpoint and says so in its summary).
+
+    Building it writes nothing to disk (a start that fails leaves no trace); `run()` creates RUN_DIR."""
 
     def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
-        self.dual = make_mesh(cfg)
-        self.batches = Batches(cfg, self.dual)
-        self.layout = StateLayout(cfg, self.dual)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
-        layout = self.layout
-        self.step_fn = jax.jit(step_lib.make_train_step(cfg, layout.graphdef, layout.rest, layout.opt),
-                               donate_argnums=0)
-        self.eval_fn = jax.jit(step_lib.make_eval_step(cfg, layout.graphdef, layout.rest))
-        self.state = self._initial_state()
+        try:
+            self.resumed_from = self.checkpoints.latest_step()
+            if self.resumed_from is not None:
+                cfg, change = schedule_on_resume(cfg, self.checkpoints.config(self.resumed_from), self.resumed_from)
+                if change:
+                    log.info(change)
+            elif cfg.train.init_from:
+                self._init_source(cfg).close()  # fail before the slow set-up below if there is nothing to start from
+            self.cfg = cfg
+            self.dual = make_mesh(cfg)
+            self.batches = Batches(cfg, self.dual)
+            self.layout = layout = StateLayout(cfg, self.dual)
+            self.step_fn = jax.jit(step_lib.make_train_step(cfg, layout.graphdef, layout.rest, layout.opt),
+                                   donate_argnums=0)
+            self.eval_fn = jax.jit(step_lib.make_eval_step(cfg, layout.graphdef, layout.rest))
+            self.state = self._initial_state()
+        except BaseException:
+            self.checkpoints.close()
+            raise
 
     def _initial_state(self) -> TrainState:
-        if self.checkpoints.latest_step() is not None:
+        if self.resumed_from is not None:
             self.checkpoints.check_model(self.layout.abstract, "run_dir")
             state, data_state = self.checkpoints.restore(self.layout.abstract)
             self.batches.restore(data_state)
-            log.info("resumed from %s step %d", self.checkpoints.directory, self.checkpoints.latest_step())
+            log.info("resuming from checkpoint %s (step %d of %d)", self.checkpoints.directory / str(self.resumed_from),
+                     self.resumed_from, self.cfg.train.steps)
             return state
         if self.cfg.train.init_from:
             return self._load_init_params()
         return self.layout.fresh()
 
+    @staticmethod
+    def _init_source(cfg: RunConfig) -> RunCheckpoints:
+        """The checkpoints of `train.init_from` (open: close them), or a ConfigError if it has none."""
+        source = RunCheckpoints(Path(cfg.train.init_from) / "checkpoints")
+        if source.latest_step() is None:
+            source.close()
+            raise ConfigError("train.init_from", f"no complete checkpoint in {source.directory}: train that run "
+                                                 "first, or point train.init_from at a run directory")
+        return source
+
     def _load_init_params(self) -> TrainState:
         """Params and router biases from `train.init_from`'s latest checkpoint; fresh optimizer and step."""
-        source = RunCheckpoints(Path(self.cfg.train.init_from) / "checkpoints")
+        source = self._init_source(self.cfg)
         try:
-            if source.latest_step() is None:
-                raise ConfigError("train.init_from", f"no complete checkpoint in {source.directory}")
             source.check_model(self.layout.abstract, "train.init_from")
             params, biases = source.restore_model(self.layout.abstract)
         finally:
@@ -105,61 +132,96 @@ class Trainer:
     def save(self, step: int) -> None:
         self.checkpoints.save(step, self.state, self.batches.state(), to_dict(self.cfg))
 
-    def run(self) -> dict:
-        """Train from the current step to `train.steps`. Returns a summary (losses, timings)."""
-        cfg, tc = self.cfg, self.cfg.train
+    def _open_run_dir(self, start: int) -> metrics_lib.MetricsWriter:
+        """Create RUN_DIR: the resolved config, the skip list, and the logs cut back to `start`."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        writer = metrics_lib.MetricsWriter(self.run_dir)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        skip_file = self.run_dir / SKIP_FILE
+        self.batches.skips.write_to(skip_file, f"run from step {start}; data paths relative to "
+                                               f"{resolve_root(self.cfg.data.path)}")
+        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
+        if writer.dropped:
+            where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"
+            log.info("dropped %d metrics records logged %s", writer.dropped, where)
+        return writer
+
+    def run(self) -> dict:
+        """Train from the current step to `train.steps`, or until SIGINT / SIGTERM. Returns a summary
+        (losses, timings; `interrupted`, `exit_status` and `checkpoint` when a signal stopped it)."""
+        cfg, tc = self.cfg, self.cfg.train
         start = int(jax.device_get(self.state.step))
+        writer = self._open_run_dir(start)
         throughput = metrics_lib.Throughput(tc.batch_size * tc.seq_len, model_info(cfg.model, tc.seq_len).flops.total,
                                             metrics_lib.run_peak_flops(list(self.dual.dense.devices.flat),
                                                                        tc.peak_flops))
         progress = metrics_lib.Progress(tc.steps, start, tc.progress)
         has_eval = self.batches.eval_data is not None
-        summary = {"start_step": start, "steps": tc.steps}
+        summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.run_dir / SKIP_FILE)}
         t_begin = time.perf_counter()
+        pending, step, saved = [], start, self.resumed_from
+
+        def log_pending():
+            host = jax.device_get([m for _, m in pending])
+            tps, mfu = throughput.measure()
+            for i, ((s, _), values) in enumerate(zip(pending, host)):
+                record = {"step": s, **{k: float(v) for k, v in values.items()},
+                          "skipped_records": self.batches.skips.total}
+                if i == len(pending) - 1:  # throughput is measured over the group: one value, on its last step
+                    record.update(tokens_per_s=tps, mfu=mfu)
+                writer.write(record)
+            progress.update(len(pending), float(host[-1]["loss"]), tps, mfu)
+            summary["last_loss"] = float(host[-1]["loss"])
+            pending.clear()
+
+        def evaluate(at: int):
+            ev = self.evaluate()
+            writer.write({"step": at, **ev})
+            summary["first_eval_loss" if at == 0 else "last_eval_loss"] = ev["eval_loss"]
+            progress.write(f"step {at}: held-out loss {ev['eval_loss']:.4f}")
+
         try:
-            with self.dual:
+            with StopSignals(progress.note) as stop, self.dual:
                 if has_eval and start == 0:
-                    ev = self.evaluate()
-                    writer.write({"step": 0, **ev})
-                    summary["first_eval_loss"] = ev["eval_loss"]
-                    progress.write(f"step 0: held-out loss {ev['eval_loss']:.4f}")
-                pending, step = [], start
+                    progress.status("held-out eval (compiling)")
+                    evaluate(0)
+                progress.status("compiling the train step")
                 throughput.restart()
-                for step in range(start + 1, tc.steps + 1):
+                while step < tc.steps and not stop.requested:
+                    step += 1
                     self.state, m = self.step_fn(self.state, self.batches.next())
                     pending.append((step, m))
                     if step == start + 1:  # compilation: throughput is measured from the end of the first step
                         jax.block_until_ready(m)
                         throughput.first_step()
+                        progress.status("")
                         summary["first_step_s"] = throughput.first_step_s
                     else:
                         throughput.count()
                     if step % cfg.checkpoint.every == 0 or step == tc.steps:
                         self.save(step)
+                        saved = step
                     if step % tc.log_every == 0 or step == tc.steps:
-                        host = jax.device_get([m for _, m in pending])
-                        tps, mfu = throughput.measure()
-                        for (s, _), values in zip(pending, host):
-                            writer.write({"step": s, **{k: float(v) for k, v in values.items()},
-                                          "tokens_per_s": tps, "mfu": mfu, "skipped_records": self.batches.skips.total})
-                        progress.update(len(pending), float(host[-1]["loss"]), tps, mfu)
-                        summary["last_loss"] = float(host[-1]["loss"])
-                        pending = []
-                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps):
-                        ev = self.evaluate()
-                        writer.write({"step": step, **ev})
-                        summary["last_eval_loss"] = ev["eval_loss"]
-                        progress.write(f"step {step}: held-out loss {ev['eval_loss']:.4f}")
+                        log_pending()
+                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stop.requested:
+                        evaluate(step)
                         throughput.restart()
+                if stop.requested:  # log and save the steps taken since the last log and checkpoint
+                    if pending:
+                        log_pending()
+                    if step > start and saved != step:
+                        self.save(step)
+                        saved = step
+                self.checkpoints.wait()  # committed while a signal still only asks to stop
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
-                           skipped_records=dict(self.batches.skips.counts), end_step=step)
+                           skipped_records=self.batches.skips.summary(), end_step=step)
+            if stop.requested and step < tc.steps:
+                checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
+                summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
         finally:
             progress.close()
             writer.close()
-            self.checkpoints.close()
+            self.batches.skips.close()
+            self.checkpoints.close()  # waits for the last save to be committed
         return summary
 
 

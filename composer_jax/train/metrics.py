@@ -1,15 +1,17 @@
 """Run metrics: `RUN_DIR/metrics.jsonl` (one JSON object per line), TensorBoard event files, the progress
 bar, and the MFU estimate.
 
-Every train-step line has `step`, `loss`, `tokens_per_s` (and the step's other metrics); eval lines
-have `step` and `eval_loss` (plus `eval_mtp{k}_ce`). A resumed run appends: readers take the last
-line written for a step (`read_metrics` does).
+Every train-step line has `step`, `time` and the step's metrics (`loss`, `ce`, `lr`, ...); the line of
+each step where throughput is measured (every `log_every` steps) also has `tokens_per_s` and `mfu`.
+Eval lines have `step` and `eval_loss` (plus `eval_mtp{k}_ce`). A resumed run first cuts the logs back
+to its checkpoint's step (`MetricsWriter(keep_through=...)`), so each step is logged once.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -44,31 +46,72 @@ def measure_host_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size ** 3 * repeats / (time.perf_counter() - start)
 
 
-class MetricsWriter:
-    """Appends JSON lines to RUN_DIR/metrics.jsonl and scalars to TensorBoard event files in RUN_DIR/tb."""
+def _parse_lines(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl, skipping blank lines and a line cut short by a kill."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+
+def _latest_per_step(records: list[dict]) -> list[dict]:
+    """The last record written per (step, train or eval), sorted by step, train line first."""
+    latest = {}
+    for rec in records:
+        latest[(rec.get("step"), "eval_loss" in rec)] = rec
+    return [latest[k] for k in sorted(latest, key=lambda k: (k[0] is None, k[0] or 0, k[1]))]
+
+
+class MetricsWriter:
+    """Writes each record as a JSON line of RUN_DIR/metrics.jsonl and as scalars of TensorBoard event
+    files in RUN_DIR/tb.
+
+    A run that continues from a checkpoint at step N passes `keep_through=N`: the records logged after
+    N by the run that was stopped (and any duplicates) are dropped before anything is written, so both
+    hold each step once. metrics.jsonl is the record of truth: it is rewritten with the kept lines, and
+    the TensorBoard files are rebuilt from them (each scalar at its original wall time). A fresh start
+    passes -1 and keeps nothing. `dropped`: how many records were dropped.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_through: int = -1, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
-        cut = path.exists() and path.stat().st_size and not path.read_bytes().endswith(b"\n")
+        logged = _parse_lines(path) if path.exists() else []
+        kept = [r for r in _latest_per_step(logged) if isinstance(r.get("step"), int) and r["step"] <= keep_through]
+        self.dropped = len(logged) - len(kept)
+        if self.dropped or (path.exists() and not path.read_bytes().endswith(b"\n")):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(path)
         self._jsonl = open(path, "a", buffering=1)
-        if cut:  # a previous process was killed mid-line: start on a fresh line
-            self._jsonl.write("\n")
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tb"), flush_secs=10)
+            tb_dir = self.run_dir / "tb"
+            for old in tb_dir.glob("*tfevents*") if tb_dir.is_dir() else ():
+                old.unlink()
+            self._tb = SummaryWriter(str(tb_dir), flush_secs=10)
+            for rec in kept:
+                self._scalars(rec)
+
+    def _scalars(self, record: dict) -> None:
+        for k, v in record.items():
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._tb.add_scalar(k, v, record["step"], walltime=record.get("time"))
 
     def write(self, record: dict) -> None:
-        """record: {"step": int, name: float, ...}; non-finite floats are written as null in JSON."""
+        """record: {"step": int, name: float, ...}; stamped with the wall time (`time`, Unix seconds);
+        non-finite floats are written as null in JSON."""
+        record = {**record, "time": time.time()}
         clean = {k: (v if not (isinstance(v, float) and not math.isfinite(v)) else None) for k, v in record.items()}
         self._jsonl.write(json.dumps(clean) + "\n")
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self._tb.add_scalar(k, v, record["step"])
+            self._scalars(record)
 
     def close(self) -> None:
         self._jsonl.close()
@@ -81,27 +124,26 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a training run directory?")
-    latest = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        latest[(rec.get("step"), "eval_loss" in rec)] = rec
-    return [latest[k] for k in sorted(latest, key=lambda k: (k[0] is None, k[0] or 0, k[1]))]
+    return _latest_per_step(_parse_lines(path))
 
 
 class Progress:
-    """A tqdm bar over steps showing loss, tokens/s, estimated MFU and (tqdm's) ETA."""
+    """A tqdm bar over steps showing loss, tokens/s, estimated MFU and (tqdm's) ETA; `status` labels the
+    bar while nothing moves (e.g. "compiling" before the first step). Disabled: `write` prints.
+    `note` writes a line for the user on stderr (where the bar is)."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    def __init__(self, total: int, initial: int, enabled: bool, file=None):
         self._bar = None
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5)
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=0.5,
+                             file=file)
+
+    def status(self, text: str) -> None:
+        """Label the bar (shown at once); "" clears the label."""
+        if self._bar is not None:
+            self._bar.set_description_str(text, refresh=True)
 
     def update(self, steps: int, loss: float, tokens_per_s: float, mfu: float | None) -> None:
         if self._bar is None:
@@ -112,11 +154,15 @@ class Progress:
         self._bar.set_postfix(post, refresh=False)
         self._bar.update(steps)
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, file=None) -> None:
+        """A line above the bar, on `file` (default stdout)."""
         if self._bar is not None:
-            self._bar.write(text)
+            self._bar.write(text, file=file)
         else:
-            print(text, flush=True)
+            print(text, file=file, flush=True)
+
+    def note(self, text: str) -> None:
+        self.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -16,15 +16,18 @@ from composer_jax.train.config import OptimizerConfig
 
 
 def wsd_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
-    """Warmup-stable-decay: linear 0 -> lr over `warmup_steps`, constant, then the last
-    `decay_fraction` of `total_steps` decays (linear or cosine) to lr * min_lr_ratio."""
+    """Warmup-stable-decay over the steps [cfg.schedule_start, cfg.schedule_end or total_steps]: linear
+    0 -> lr over `warmup_steps`, constant, then the last `decay_fraction` decays (linear or cosine) to
+    lr * min_lr_ratio, where it stays after the end. `step` counts from the start of the run."""
+    offset = cfg.schedule_start
+    total_steps = (cfg.schedule_end or total_steps) - offset
     decay_steps = int(round(cfg.decay_fraction * total_steps))
     decay_start = max(total_steps - decay_steps, cfg.warmup_steps)
     decay_steps = max(total_steps - decay_start, 0)
     floor = cfg.lr * cfg.min_lr_ratio
 
     def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
+        step = jnp.asarray(step, jnp.float32) - offset
         warm = cfg.lr * jnp.minimum(1.0, (step + 1) / max(cfg.warmup_steps, 1)) if cfg.warmup_steps else cfg.lr
         frac = jnp.clip((step - decay_start) / max(decay_steps, 1), 0.0, 1.0)
         if cfg.decay_shape == "cosine":
