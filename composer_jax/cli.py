@@ -346,9 +346,15 @@ def _run_config_keys(args) -> int:
     return 0
 
 
+def _command_group(sub, name: str, help_text: str):
+    """A command with subcommands (`composer-jax NAME COMMAND ...`); returns their subparsers."""
+    return sub.add_parser(name, help=help_text).add_subparsers(dest=f"{name}_command", required=True,
+                                                              metavar="command")
+
+
 def _add_config(sub) -> None:
-    p = sub.add_parser("config", help="print a resolved config, or every config key with its default and meaning")
-    config_sub = p.add_subparsers(dest="config_command", required=True, metavar="command")
+    config_sub = _command_group(sub, "config", "print a resolved config, or every config key with its default and "
+                                               "meaning")
     show = config_sub.add_parser("show", help="the resolved config as YAML (loadable as a config file)",
                                  description="Resolve a run config (e.g. pretrain-tiny) or a model config (e.g. "
                                              "tiny) with overrides, every default filled in, and print it as YAML.")
@@ -420,8 +426,8 @@ def _run_tasks_list(args) -> int:
 
 
 def _add_tasks(sub) -> None:
-    p = sub.add_parser("tasks", help="coding tasks: generate, list and check (reward from tests in the sandbox)")
-    tasks_sub = p.add_subparsers(dest="tasks_command", required=True, metavar="command")
+    tasks_sub = _command_group(sub, "tasks", "coding tasks: generate, list and check (reward from tests in the "
+                                             "sandbox)")
     c = tasks_sub.add_parser("check", help="run each task's tests in the sandbox and report its reward",
                              description="Validate TASK_DIRs, run their test commands in the sandbox on copies of "
                                          "repo/ and print one JSON object per task (task, reward, passed, failed, "
@@ -510,6 +516,9 @@ def main(argv=None) -> int:
 
         print(f"composer-jax {args.command}: interrupted", file=sys.stderr)
         return exit_status(signal.SIGINT)
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as shell tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

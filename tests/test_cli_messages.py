@@ -185,3 +185,11 @@ def test_ctrl_c_outside_the_training_loop_is_one_line_and_status_130(monkeypatch
     monkeypatch.setattr(loop, "train", interrupted)
     assert cli.main(["pretrain", "train.steps=3"]) == 130
     assert _one_line(capsys.readouterr().err) == "composer-jax pretrain: interrupted"
+
+
+def test_output_piped_into_head_ends_quietly():
+    """`composer-jax config keys | head -1`: no BrokenPipeError traceback, exit 0."""
+    proc = subprocess.run(f"{sys.executable} -m composer_jax.cli config keys run | head -1", shell=True,
+                          capture_output=True, text=True, timeout=120, executable="/bin/bash",
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.stdout.startswith("key") and proc.stderr == "", proc.stderr

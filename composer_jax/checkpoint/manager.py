@@ -34,25 +34,36 @@ class TrainCheckpointer:
                  save_every: int = 1, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         self.array_items, self.json_items = tuple(array_items), tuple(json_items)
-        options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
-                                               enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True, create=False)
+        self._options = ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=keep,
+                                                     enable_async_checkpointing=async_save,
+                                                     cleanup_tmp_directories=True, create=False)
         # Handlers per item, so that item metadata (shapes, dtypes) can be read without restoring.
-        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        self._registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item in self.array_items:
             for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
-                registry.add(item, args, ocp.StandardCheckpointHandler)
+                self._registry.add(item, args, ocp.StandardCheckpointHandler)
         for item in self.json_items:
             for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
-                registry.add(item, args, ocp.JsonCheckpointHandler)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+                self._registry.add(item, args, ocp.JsonCheckpointHandler)
+        self._opened = None
+
+    @property
+    def _manager(self) -> ocp.CheckpointManager:
+        """orbax's manager, opened on first use: a manager starts background work (temporary-directory
+        cleanup) that a short-lived query of a directory that does not exist should not leave running
+        at interpreter exit."""
+        if self._opened is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._opened = ocp.CheckpointManager(self.directory, options=self._options,
+                                                 handler_registry=self._registry)
+        return self._opened
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
-        return self._manager.latest_step()
+        return self._manager.latest_step() if self.directory.is_dir() else None
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        return list(self._manager.all_steps()) if self.directory.is_dir() else []
 
     def save(self, step: int, arrays: dict, json: dict | None = None, *, force: bool = False) -> bool:
         """Start saving `step` if it is due (every `save_every` steps) or `force`; returns whether it did.
@@ -95,11 +106,14 @@ class TrainCheckpointer:
 
     def wait(self) -> None:
         """Block until any background save is committed."""
-        self._manager.wait_until_finished()
+        if self._opened is not None:
+            self._opened.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        if self._opened is not None:
+            self._opened.wait_until_finished()
+            self._opened.close()
+            self._opened = None
 
     def __enter__(self):
         return self
