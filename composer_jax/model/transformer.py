@@ -39,7 +39,8 @@ def with_prefix_columns(mask: jax.Array, valid: jax.Array) -> jax.Array:
 
 class SequenceLayout:
     """Where a batch's [..., batch, seq, ...] arrays live: unsharded without a DualMesh, else
-    batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order."""
+    batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order; under
+    the inference placement wherever the caller put them (`partitioning.inference_batch_sharding`)."""
 
     def __init__(self, seq: int, dual: DualMesh | None):
         self.dual = dual
@@ -53,7 +54,7 @@ class SequenceLayout:
         return activation_spec(*spec)
 
     def _move(self, x, seq_axis: int, permutation, to_seq):
-        if self.dual is None:
+        if self.dual is None or self.dual.inference:  # inference: the caller placed the batch (no CP)
             return x
         if permutation is not None:
             x = jax.sharding.reshard(x, self._spec(x.ndim, seq_axis, None))
