@@ -21,6 +21,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
+from composer_jax.parallel import leafwise
 
 
 class MTPDepth(nnx.Module):
@@ -76,7 +77,7 @@ class MTP(nnx.Module):
     def depth(self, k: int) -> MTPDepth:
         """Depth k+1 alone (k: 0-based index into the stack), e.g. to draft one token per decode step."""
         graphdef, state = nnx.split(self.depths)
-        return nnx.merge(graphdef, jax.tree.map(lambda x: x[k], state))
+        return nnx.merge(graphdef, leafwise.tree_map(lambda x: x[k], state))  # expert leaves: on their mesh
 
 
 def shifted_tokens(tokens: jax.Array, depths: int) -> jax.Array:
