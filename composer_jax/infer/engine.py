@@ -228,6 +228,7 @@ class Engine:
         before, start = sum(programs.TRACES.values()), time.perf_counter()
         out = program(*args)
         if sum(programs.TRACES.values()) > before:
+            self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
             shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps}"
             what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
             self.compiled.append(what)

@@ -28,6 +28,25 @@ class GenerateResult:
     compiled: list[str] = dataclasses.field(default_factory=list)
 
 
+def default_max_len(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Cache positions per slot for these prompts: the longest plus max_new_tokens, rounded up to a
+    multiple of CACHE_ROUNDING, at most the model's positions (rope.max_position_embeddings)."""
+    limit = cfg.rope.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        raise GenerationError(f"a prompt of {longest} tokens does not fit the model's {limit} positions "
+                              "(rope.max_position_embeddings)")
+    return min(limit, -(-(longest + max_new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING)
+
+
+def request_seeds(seed: int | Sequence[int], count: int) -> list[int]:
+    """Per-request seeds: `seed + i` for request i, or the given list (one per request)."""
+    seeds = [(seed + i) % 2**32 for i in range(count)] if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != count:
+        raise GenerationError(f"{len(seeds)} seeds for {count} prompts")
+    return seeds
+
+
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
              stop_tokens: Sequence[int] | None = None, speculative: bool = False,
@@ -48,21 +67,13 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     for i, p in enumerate(prompts):
         if not p:
             raise GenerationError(f"prompt {i} is empty")
-    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
-    if len(seeds) != len(prompts):
-        raise GenerationError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    limit = model.cfg.rope.max_position_embeddings
-    if max_len is None:
-        longest = max(len(p) for p in prompts)
-        if longest >= limit:
-            raise GenerationError(f"a prompt of {longest} tokens does not fit the model's "
-                                  f"{limit} positions (rope.max_position_embeddings)")
-        max_len = min(limit, -(-(longest + max_new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING)
-    engine = Engine(model, max_slots=max_slots or min(len(prompts), 16), max_len=max_len,
+    seeds = request_seeds(seed, len(prompts))
+    engine = Engine(model, max_slots=max_slots or min(len(prompts), 16),
+                    max_len=max_len or default_max_len(model.cfg, prompts, max_new_tokens),
                     chunk_sizes=chunk_sizes, steps_per_call=steps_per_call, speculative=speculative,
                     eos_ids=getattr(model, "eos_token_ids", ()), detokenize=detokenize)
     ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, stop_strings=stop_strings,
-                         sampling=SamplingParams(temperature, top_p, top_k, s % 2**32))
+                         sampling=SamplingParams(temperature, top_p, top_k, s))
            for p, s in zip(prompts, seeds)]
     start = time.perf_counter()
     done = engine.run()

@@ -23,8 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.infer.cache import Cache, Latents
-from composer_jax.infer.sampling import (DRAFT, SAMPLE, Sampled, SlotSampling, draw, pick, processed_logprobs,
-                                         sample, token_keys)
+from composer_jax.infer.sampling import DRAFT, SAMPLE, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
 from composer_jax.infer.speculative import verify
 from composer_jax.model.attention import LatentCache
 
@@ -114,7 +113,7 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
 def _draft(model, normed: jax.Array, sampling: SlotSampling, index: jax.Array):
     """A draft for sequence index int32[slots] from MTP hidden [slots, embed]: (token, its distribution)."""
     q = processed_logprobs(model.logits(normed), sampling)
-    return draw(token_keys(sampling.seed, index, DRAFT), q), q
+    return draw(q, sampling, index, DRAFT), q
 
 
 def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling):
@@ -168,8 +167,8 @@ def _speculative_step(model, cache: Cache, slots: Slots):
     logits = model.logits(hidden)                                                   # [slots, 2, vocab]
     raw = jax.nn.log_softmax(logits, axis=-1)
     target = jnp.stack([processed_logprobs(logits[:, j], sampling) for j in range(2)], axis=1)
-    verdict = verify(target[:, 0], cache.draft_logprobs, cache.draft, sampling.seed, lengths + 1)
-    bonus = draw(token_keys(sampling.seed, lengths + 2, SAMPLE), target[:, 1])
+    verdict = verify(target[:, 0], cache.draft_logprobs, cache.draft, sampling, lengths + 1)
+    bonus = draw(target[:, 1], sampling, lengths + 2, SAMPLE)
     first_stops = (verdict.token[:, None] == slots.stop_ids).any(axis=-1)
     two = verdict.accepted & ~first_stops & (slots.budget > 1)
     count = jnp.where(two, 2, 1) * active.astype(jnp.int32)

@@ -76,21 +76,27 @@ def processed_logprobs(logits: jax.Array, sampling: SlotSampling) -> jax.Array:
     logits: f32[slots, vocab]. Temperature scales the logits, top-k keeps the k largest (ties at the
     k-th value are all kept), top-p then keeps the most likely tokens until the mass before the next
     one reaches top_p (renormalised over the top-k set, as vLLM orders them); temperature 0 keeps the
-    argmax alone (the first one on ties).
+    argmax alone (the first one on ties). The sort that truncation needs is skipped when no slot
+    truncates.
     """
     vocab = logits.shape[-1]
     greedy = sampling.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, sampling.temperature)[:, None]
-    descending = -jnp.sort(-scaled, axis=-1)
     rank = jnp.arange(vocab)
-    k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)
-    in_top_k = rank[None] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, descending, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p = 1 keeps everything: a cumulative sum that rounds to 1 must not cut the tail.
-    kept = in_top_k & ((mass_before < sampling.top_p[:, None]) | (sampling.top_p[:, None] >= 1))
-    threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1)
-    keep = scaled >= threshold[:, None]
+
+    def truncated():
+        descending = -jnp.sort(-scaled, axis=-1)
+        k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)
+        in_top_k = rank[None] < k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, descending, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # top_p = 1 keeps everything: a cumulative sum that rounds to 1 must not cut the tail.
+        kept = in_top_k & ((mass_before < sampling.top_p[:, None]) | (sampling.top_p[:, None] >= 1))
+        threshold = jnp.min(jnp.where(kept, descending, jnp.inf), axis=-1)
+        return scaled >= threshold[:, None]
+
+    truncating = jnp.any((sampling.top_k > 0) | (sampling.top_p < 1))
+    keep = jax.lax.cond(truncating, truncated, lambda: jnp.ones_like(scaled, bool))
     keep = jnp.where(greedy[:, None], rank[None] == jnp.argmax(logits, axis=-1)[:, None], keep)
     return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
 
@@ -104,9 +110,24 @@ def token_keys(seed: jax.Array, index: jax.Array, purpose: int) -> jax.Array:
     return jax.vmap(one)(seed, index)
 
 
-def draw(keys: jax.Array, logprobs: jax.Array) -> jax.Array:
-    """int32[slots]: one token per slot from log-probabilities f32[slots, vocab] (-inf: excluded)."""
-    return jax.vmap(jax.random.categorical)(keys, logprobs).astype(jnp.int32)
+def draw(logprobs: jax.Array, sampling: SlotSampling, index: jax.Array, purpose: int) -> jax.Array:
+    """int32[slots]: one token per slot from log-probabilities f32[slots, vocab] (-inf: excluded), with
+    the key of (seed, index, purpose). A greedy slot's distribution is a point mass: its argmax. When
+    every slot is greedy the random work is skipped."""
+    def random():
+        return jax.vmap(jax.random.categorical)(token_keys(sampling.seed, index, purpose), logprobs).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), lambda: jnp.argmax(logprobs, axis=-1).astype(jnp.int32),
+                        random)
+
+
+def uniform(sampling: SlotSampling, index: jax.Array, purpose: int) -> jax.Array:
+    """f32[slots] in [0, 1) with the key of (seed, index, purpose); 0 when every slot is greedy (whose
+    decisions are certain)."""
+    def random():
+        return jax.vmap(jax.random.uniform)(token_keys(sampling.seed, index, purpose))
+
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), lambda: jnp.zeros(index.shape, jnp.float32), random)
 
 
 def pick(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -125,5 +146,5 @@ class Sampled(NamedTuple):
 def sample(logits: jax.Array, sampling: SlotSampling, index: jax.Array) -> Sampled:
     """Draw the token at sequence index int32[slots] from logits f32[slots, vocab]."""
     processed = processed_logprobs(logits, sampling)
-    token = draw(token_keys(sampling.seed, index, SAMPLE), processed)
+    token = draw(processed, sampling, index, SAMPLE)
     return Sampled(token, pick(jax.nn.log_softmax(logits, axis=-1), token), pick(processed, token))

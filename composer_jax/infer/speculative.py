@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from composer_jax.infer.sampling import ACCEPT, RESIDUAL, draw, pick, token_keys
+from composer_jax.infer.sampling import ACCEPT, RESIDUAL, SlotSampling, draw, pick, uniform
 
 
 class Verdict(NamedTuple):
@@ -27,13 +27,13 @@ class Verdict(NamedTuple):
     token: jax.Array        # int32[slots]: the draft if accepted, else the residual draw
 
 
-def verify(target: jax.Array, draft_logprobs: jax.Array, draft: jax.Array, seed: jax.Array,
+def verify(target: jax.Array, draft_logprobs: jax.Array, draft: jax.Array, sampling: SlotSampling,
            index: jax.Array) -> Verdict:
     """target, draft_logprobs: f32[slots, vocab] processed log-probs of p and q at the draft's position;
-    draft: int32[slots] drawn from q; seed: uint32[slots]; index: int32[slots] the draft's sequence index
-    (its random draws are keyed on it)."""
-    u = jax.vmap(jax.random.uniform)(token_keys(seed, index, ACCEPT))
+    draft: int32[slots] drawn from q; index: int32[slots] the draft's sequence index (its random draws
+    are keyed on it and the slot's seed)."""
+    u = uniform(sampling, index, ACCEPT)
     accepted = u < jnp.exp(pick(target, draft) - pick(draft_logprobs, draft))     # P = min(1, p/q)
     residual = jnp.maximum(jnp.exp(target) - jnp.exp(draft_logprobs), 0.0)      # (p - q)+
-    replacement = draw(token_keys(seed, index, RESIDUAL), jnp.log(residual))
+    replacement = draw(jnp.log(residual), sampling, index, RESIDUAL)
     return Verdict(accepted, jnp.where(accepted, draft, replacement))

@@ -91,6 +91,7 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh: DualMesh | None = None):
         self.cfg = cfg
         self.mesh = mesh
+        self.eos_token_ids: tuple[int, ...] = ()  # end-of-sequence ids of the checkpoint (set by its loader)
         self.embed = Embed(cfg, rngs=rngs)
         self.dense_layers = (create_stack(lambda r: DecoderLayer(cfg, False, rngs=r), cfg.num_dense_layers, rngs)
                              if cfg.num_dense_layers else None)
