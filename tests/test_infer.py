@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from composer_jax import CausalLM, config, load_config
+from composer_jax import config, load_config
 from composer_jax.infer import Engine, GenerationError, SamplingParams, programs
 from composer_jax.infer.cache import latent_bytes_per_token, per_head_kv_bytes_per_token
 from composer_jax.infer.sampling import SlotSampling, processed_logprobs
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
+from tests.random_models import random_model
 from tests.sampling_reference import sampling_probs
 
 SHAPES = dict(max_slots=4, max_len=64, chunk_sizes=(8, 32), steps_per_call=4)
@@ -28,7 +29,7 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def model(cfg):
-    return CausalLM(cfg, rngs=nnx.Rngs(3))
+    return random_model(cfg, 3)
 
 
 def _prompts(seed, lengths, vocab=256):
@@ -175,7 +176,7 @@ def test_weights_swap_in_place_without_recompiling(cfg, model):
     prompt = _prompts(6, [9])[0]
     before = _run_alone(engine, prompt, max_new_tokens=6, sampling=SamplingParams(0.0), stop_tokens=[])
     traces = sum(programs.TRACES.values())
-    other = CausalLM(cfg, rngs=nnx.Rngs(99))
+    other = random_model(cfg, 99)
     engine.update_weights(nnx.state(other), version=7)
     after = _run_alone(engine, prompt, max_new_tokens=6, sampling=SamplingParams(0.0), stop_tokens=[])
     assert sum(programs.TRACES.values()) == traces and engine.compiled == []
@@ -184,7 +185,7 @@ def test_weights_swap_in_place_without_recompiling(cfg, model):
     assert after.versions == [7] * 6 and before.versions == [0] * 6
 
     with pytest.raises(GenerationError, match="structure differs"):
-        engine.update_weights(CausalLM(config.replace(cfg, **{"mtp.num_layers": 0}), rngs=nnx.Rngs(0)), 8)
+        engine.update_weights(random_model(config.replace(cfg, **{"mtp.num_layers": 0})), 8)
     state = nnx.state(other)
     state["final_norm"]["scale"].set_value(jnp.ones(cfg.hidden_size + 1))
     with pytest.raises(GenerationError, match=r"'final_norm/scale.*float32\[65\].*float32\[64\]"):
@@ -209,7 +210,7 @@ def test_request_errors_name_the_culprit(cfg, model):
     with pytest.raises(GenerationError, match="max_len=65 must be in"):
         Engine(model, max_len=65)
     with pytest.raises(GenerationError, match="mtp.num_layers=0"):
-        Engine(CausalLM(config.replace(cfg, **{"mtp.num_layers": 0}), rngs=nnx.Rngs(0)), speculative=True)
+        Engine(random_model(config.replace(cfg, **{"mtp.num_layers": 0})), speculative=True)
 
 
 def test_cache_holds_the_576_value_latent_per_layer_and_token(model):

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from composer_jax import CausalLM, load_config
+from composer_jax import load_config
 from composer_jax.infer import Engine, SamplingParams, generate
+from tests.random_models import random_model
 from tests.sampling_reference import sampling_probs
 
 VOCAB = 16
@@ -23,7 +24,7 @@ ALPHA = 1e-3
 
 @pytest.fixture(scope="module")
 def model():
-    return CausalLM(load_config("tiny", [f"vocab_size={VOCAB}"]), rngs=nnx.Rngs(2))
+    return random_model(load_config("tiny", [f"vocab_size={VOCAB}"]), 2)
 
 
 @pytest.fixture(scope="module")

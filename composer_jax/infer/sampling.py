@@ -127,7 +127,7 @@ def uniform(sampling: SlotSampling, index: jax.Array, purpose: int) -> jax.Array
     def random():
         return jax.vmap(jax.random.uniform)(token_keys(sampling.seed, index, purpose))
 
-    return jax.lax.cond(jnp.all(sampling.temperature <= 0), lambda: jnp.zeros(index.shape, jnp.float32), random)
+    return jax.lax.cond(jnp.all(sampling.temperature <= 0), lambda: jnp.zeros_like(index, jnp.float32), random)
 
 
 def pick(logprobs: jax.Array, tokens: jax.Array) -> jax.Array:
