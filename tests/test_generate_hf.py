@@ -13,7 +13,7 @@ from scipy.special import log_softmax
 from tokenizers import Tokenizer
 
 from composer_jax import cli, from_pretrained, load_config
-from composer_jax.infer import generate
+from composer_jax import generate
 from tests.hf_reference import save_random_hf_model
 from tests.sampling_reference import sampling_probs
 

@@ -65,7 +65,7 @@ def decode_run(engine, batch, new_tokens: int, sampling, warmup: bool = False) -
     s = engine.stats
     if s["compile_s"] and not warmup:
         raise RuntimeError("a measured repetition compiled a program")
-    figures = {"decode_tokens_per_s": s["decode_tokens"] / s["decode_s"],
+    figures = {"decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
                "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"],
                "drafted": s["drafted"], "accepted": s["accepted"]}
     return figures, [done[i].tokens for i in ids]
@@ -90,10 +90,27 @@ def compare(model, batch, new_tokens: int, sampling, reps: int, **engine_args) -
     return {"plain_tokens_per_s": round(plain, 1), "speculative_tokens_per_s": round(spec, 1),
             "speedup": round(spec / plain, 3), "acceptance_rate": round(accepted / drafted, 4),
             "mean_accepted_length": round((drafted + accepted) / drafted, 4),
+            # time of one speculative step (verify 2 positions + the MTP layer + sampling) / a plain step
+            "step_cost_ratio": round(plain / spec * (drafted + accepted) / drafted, 3),
             "same_tokens": outputs["plain"] == outputs["speculative"],  # expected for greedy only
-            "prefill_tokens_per_s": round(median("plain", "prefill_tokens_per_s"), 1),
             "plain_runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in runs["plain"]],
             "speculative_runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in runs["speculative"]]}
+
+
+def prefill_figures(model, tokenizer, batch: int, length: int, chunk: int, reps: int) -> dict:
+    """Prompt throughput: `batch` prompts of `length` tokens prefilled in chunks of `chunk` (one new
+    token each), median over repetitions."""
+    from composer_jax.infer import Engine, SamplingParams
+
+    engine = Engine(model, max_slots=batch, max_len=length + 1, chunk_sizes=(chunk,))
+    batch_prompts = prompts(tokenizer, batch, length)
+    rates = []
+    for rep in range(reps + 1):
+        figures, _ = decode_run(engine, batch_prompts, 1, lambda i: SamplingParams(temperature=0.0), warmup=rep == 0)
+        if rep:
+            rates.append(figures["prefill_tokens_per_s"])
+    return {"prefill_tokens_per_s": round(statistics.median(rates), 1), "batch": batch, "prompt_len": length,
+            "chunk": chunk}
 
 
 def cache_figures(cfg) -> dict:
@@ -113,7 +130,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--reps", type=int, default=7, help="measured repetitions per engine (default 7)")
-    parser.add_argument("--steps-per-call", type=int, default=16)
+    parser.add_argument("--steps-per-call", type=int, default=0,
+                        help="decode steps per engine call (default 0: all of a generation in one call)")
     parser.add_argument("--dispatch", default=None, help="override model.moe.dispatch (default: the run's)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -127,7 +145,7 @@ def main(argv=None) -> int:
     model, cfg = opened.model, opened.model.cfg
     batch = prompts(opened.tokenizer, args.batch, args.prompt_len)
     max_len = min(cfg.rope.max_position_embeddings, args.prompt_len + args.new_tokens + 1)
-    engine_args = dict(max_slots=args.batch, max_len=max_len, steps_per_call=args.steps_per_call,
+    engine_args = dict(max_slots=args.batch, max_len=max_len, steps_per_call=args.steps_per_call or args.new_tokens,
                        chunk_sizes=(args.prompt_len,))
     results = {"model": opened.description, "dispatch": cfg.moe.dispatch, "batch": args.batch,
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "reps": args.reps,
@@ -135,6 +153,7 @@ def main(argv=None) -> int:
                                  args.reps, **engine_args),
                "sampled_t1": compare(model, batch, args.new_tokens, lambda i: SamplingParams(seed=i),
                                      args.reps, **engine_args),
+               "prefill": prefill_figures(model, opened.tokenizer, 8, max_len - 1, 32, args.reps),
                "cache": {"tiny": cache_figures(cfg), "kimi-k2.5": cache_figures(load_config("kimi-k2.5"))},
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "load_average": [round(x, 2) for x in os.getloadavg()]},
@@ -144,8 +163,11 @@ def main(argv=None) -> int:
         r = results[mode]
         print(f"{mode:>10}: plain {r['plain_tokens_per_s']:8.1f} tok/s, speculative {r['speculative_tokens_per_s']:8.1f} "
               f"tok/s ({r['speedup']:.2f}x), acceptance {100 * r['acceptance_rate']:.1f}%, mean accepted length "
-              f"{r['mean_accepted_length']:.2f}" + (f", same tokens: {r['same_tokens']}" if mode == "greedy" else ""))
-    print(f"   prefill: {results['greedy']['prefill_tokens_per_s']:.1f} tok/s")
+              f"{r['mean_accepted_length']:.2f}, speculative step {r['step_cost_ratio']:.2f}x a plain one"
+              + (f", same tokens: {r['same_tokens']}" if mode == "greedy" else ""))
+    p = results["prefill"]
+    print(f"   prefill: {p['prefill_tokens_per_s']:.1f} tok/s ({p['batch']} prompts of {p['prompt_len']} tokens, "
+          f"chunks of {p['chunk']})")
     for name, c in results["cache"].items():
         print(f"     cache: {name}: {c['latent_bytes_per_token']} B/token latent vs {c['per_head_kv_bytes_per_token']} "
               f"per-head K/V ({c['ratio']}x smaller)")

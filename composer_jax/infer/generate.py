@@ -15,8 +15,9 @@ CACHE_ROUNDING = 64  # cache lengths are rounded up to a multiple of this, so ca
 @dataclasses.dataclass
 class GenerateResult:
     """Per prompt (in order): the new ids up to and including a stop token, their raw log-probs, their
-    log-probs under the sampling distribution and why each stopped; plus the run's statistics
-    (acceptance figures are None without speculative decoding)."""
+    log-probs under the sampling distribution and why each stopped; plus the run's statistics: new
+    tokens per second of wall time (compilation excluded), the programs compiled, and the speculative
+    acceptance rate and mean accepted length (None without speculative decoding)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -81,5 +82,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     outs = [done[i] for i in ids]
     stats = engine.acceptance if speculative else {}
     return GenerateResult([c.tokens for c in outs], [c.logprobs for c in outs], [c.behaviour_logprobs for c in outs],
-                          [c.finish_reason for c in outs], sum(len(c.tokens) for c in outs) / max(wall, 1e-9),
+                          [c.finish_reason for c in outs],
+                          sum(len(c.tokens) for c in outs) / max(wall - engine.stats["compile_s"], 1e-9),
                           stats.get("acceptance_rate"), stats.get("mean_accepted_length"), list(engine.compiled))
