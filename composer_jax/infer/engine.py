@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -111,7 +112,7 @@ class Engine:
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         shapes = cache_shapes(cfg, max_slots, max_len, speculative)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
-        self.cache = jax.jit(lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes),
+        self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                              out_shardings=out)()
         self.slots: list[_Slot | None] = [None] * max_slots
         self.queue: collections.deque = collections.deque()
@@ -136,7 +137,7 @@ class Engine:
         return None if self.dual is None else inference_batch_sharding(self.dual, tuple(shape), int(slots_second))
 
     def _put(self, tree):
-        """Host arrays with a leading slot dim (or one in second place, for [steps, slots, ...]) -> device."""
+        """Host arrays with a leading slot dim -> device (split like the slots)."""
         if self.dual is None:
             return tree
         return jax.tree.map(lambda x: jax.device_put(x, self._batch_sharding(np.shape(x))), tree)
