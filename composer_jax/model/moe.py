@@ -21,7 +21,9 @@ class MoE(nnx.Module):
     stats: `expert_load` f32[experts] (assignments per expert) and `dropped` int32[] (assignments
     dropped by a fixed-capacity dispatch). With `mesh` (a DualMesh, static; set by
     `parallel.shard_model`) the routed experts run on its expert mesh
-    (composer_jax.model.expert_parallel); without one, on the local backend.
+    (composer_jax.model.expert_parallel); without one, on the local backend. Under the inference
+    placement a small batch's tokens are zero-padded to the device count for the dispatch (the padding
+    rows count in `expert_load`; decoding does not use it).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

@@ -136,7 +136,8 @@ class CausalLM(nnx.Module):
         absorbed: attention in the absorbed form (`MLA.attend_absorbed`: the decode path; equal to the
         default up to rounding).
         Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
-        the load-balanced chunk order, undone on the outputs).
+        the load-balanced chunk order, undone on the outputs); under its inference placement
+        (`DualMesh.for_inference()`) the inputs stay where the caller placed them.
         """
         self._check_inputs(tokens, segment_ids, positions)
         if segment_ids is None:
