@@ -20,6 +20,7 @@ data axes where they divide, so any number of slots runs on any grid.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -112,8 +113,9 @@ class Engine:
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         shapes = cache_shapes(cfg, max_slots, max_len, speculative)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
-        self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                             out_shardings=out)()
+        with self._traced_on():
+            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                 out_shardings=out)()
         self.slots: list[_Slot | None] = [None] * max_slots
         self.queue: collections.deque = collections.deque()
         self.kept: dict[int, int] = {}          # request id -> its kept slot
@@ -131,6 +133,10 @@ class Engine:
             return graphdef, state
         twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
         return nnx.split(twin)
+
+    def _traced_on(self):
+        """The context the programs trace in: the dense mesh as JAX's context mesh (Explicit axes)."""
+        return contextlib.nullcontext() if self.dual is None else self.dual
 
     def _batch_sharding(self, shape, slots_second: bool = False):
         """Placement of an inference array whose slot dim is the first (or, for latents, the second)."""
@@ -227,7 +233,8 @@ class Engine:
 
     def _call(self, name: str, program, *args):
         before, start = sum(programs.TRACES.values()), time.perf_counter()
-        out = program(*args)
+        with self._traced_on():
+            out = program(*args)
         if sum(programs.TRACES.values()) > before:
             self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
             shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps}"
