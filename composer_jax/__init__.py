@@ -5,7 +5,7 @@ The model is imported lazily, so host-side packages (`sandbox`, `tasks`, `envs`)
 
 __version__ = "0.1.0"
 
-__all__ = ["CausalLM", "ModelConfig", "from_pretrained", "load_config"]
+__all__ = ["CausalLM", "ModelConfig", "from_pretrained", "generate", "load_config"]
 
 
 def __getattr__(name: str):
@@ -13,6 +13,10 @@ def __getattr__(name: str):
         from composer_jax.model import CausalLM
 
         return CausalLM
+    if name == "generate":
+        from composer_jax.infer import generate
+
+        return generate
     if name in ("ModelConfig", "load_config"):
         from composer_jax import config
 

@@ -467,6 +467,162 @@ def _add_tasks(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# generate
+
+
+def _generate_prompts(args, tokenizer) -> list[tuple[str, list[int]]]:
+    """(where it came from, token ids) per prompt, from --prompt or a --prompts JSONL file."""
+    from composer_jax.data.chat import START, render
+
+    def encode(text: str, where: str) -> list[int]:
+        if tokenizer is None:
+            raise ValueError(f"{where}: text prompts need a tokenizer, and {args.model} has none "
+                             "(tokenizer.json / tiktoken.model): give token ids ({\"tokens\": [...]} lines in --prompts)")
+        return [int(i) for i in tokenizer.encode(text)]
+
+    def chat(messages, where: str) -> list[int]:
+        text = "".join(piece for piece, _ in render(messages)) + f"{START}assistant\n"
+        return encode(text, where)
+
+    if args.prompt is not None:
+        where = "--prompt"
+        return [(where, chat([{"role": "user", "content": args.prompt}], where) if args.chat
+                 else encode(args.prompt, where))]
+    out = []
+    with open(args.prompts, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{args.prompts} line {n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: expected an object with 'prompt', 'tokens' or 'messages'")
+            if "tokens" in record:
+                tokens = record["tokens"]
+                if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                    raise ValueError(f"{where}: 'tokens' must be a list of ints")
+                out.append((where, tokens))
+            elif "messages" in record:
+                out.append((where, chat(record["messages"], where)))
+            elif isinstance(record.get("prompt"), str):
+                text = record["prompt"]
+                out.append((where, chat([{"role": "user", "content": text}], where) if args.chat else encode(text, where)))
+            else:
+                raise ValueError(f"{where}: expected a string 'prompt', a 'tokens' list or 'messages'")
+    if not out:
+        raise ValueError(f"{args.prompts}: no prompts")
+    return out
+
+
+def _run_generate(args) -> int:
+    use_cpu_devices(args.devices)
+    import time
+
+    from composer_jax.config import MeshConfig, ModelConfig, apply_overrides, from_dict
+    from composer_jax.data.chat import END
+    from composer_jax.infer import Engine, GenerationError, SamplingParams
+    from composer_jax.infer.config import GenerateConfig
+    from composer_jax.infer.generate import default_max_len, request_seeds
+    from composer_jax.model_dirs import open_model
+
+    model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]
+    gen = from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, [o for o in args.overrides
+                                                                         if not o.startswith("model.")]))
+    apply_overrides(ModelConfig, {}, model_overrides)  # unknown model keys fail here, before loading
+    try:
+        opened = open_model(args.model, model_overrides)
+        tokenizer, model = opened.tokenizer, opened.model
+        prompts = _generate_prompts(args, tokenizer)
+        if args.devices > 1:
+            import jax
+
+            from composer_jax.parallel import DualMesh, set_mesh
+
+            set_mesh(model, DualMesh(MeshConfig(), jax.devices()[:args.devices], model=model.cfg))
+        stops = tuple(s for s in (gen.stop, END if args.chat else "") if s)
+        detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
+        if stops and detokenize is None:
+            raise ValueError(f"stop strings need a tokenizer, and {args.model} has none")
+        engine = Engine(model, max_slots=gen.max_slots, steps_per_call=gen.steps_per_call,
+                        max_len=gen.max_len or default_max_len(model.cfg, [p for _, p in prompts], gen.max_new_tokens),
+                        speculative=gen.speculative, eos_ids=opened.eos_ids, detokenize=detokenize)
+        ids = {}
+        for (where, tokens), seed in zip(prompts, request_seeds(gen.seed, len(prompts))):
+            try:
+                ids[engine.submit(tokens, max_new_tokens=gen.max_new_tokens, stop_strings=stops,
+                                  sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, seed))] = where
+            except GenerationError as e:
+                raise GenerationError(f"{where}: {e}") from None
+    except (ValueError, OSError) as e:  # GenerationError, ConfigError, CheckpointError, DataError are ValueErrors
+        print(f"composer-jax generate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{opened.description}: {len(prompts)} prompt(s)", file=sys.stderr)
+    stream = args.prompt is not None and args.out is None and tokenizer is not None
+    printed, streamed, done, start = "", [], {}, time.perf_counter()
+    while not engine.idle:
+        for update in engine.step():
+            if update.finished is not None:
+                done[update.request_id] = update.finished
+            if stream:  # print the decoded text as it grows (held back while a UTF-8 sequence is partial)
+                streamed += update.new_tokens
+                text = tokenizer.decode(streamed).rstrip("\ufffd")
+                if text.startswith(printed):
+                    sys.stdout.write(text[len(printed):])
+                    sys.stdout.flush()
+                    printed = text
+    wall = time.perf_counter() - start
+    if stream:
+        print()
+    else:
+        lines = []
+        for request_id, where in ids.items():
+            c = done[request_id]
+            record = {"source": where, "tokens": c.tokens, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            if tokenizer is not None:
+                record["text"] = tokenizer.decode(c.tokens)
+            lines.append(json.dumps(record))
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in lines))
+        else:
+            print("\n".join(lines))
+    total, compiling = sum(len(c.tokens) for c in done.values()), engine.stats["compile_s"]
+    line = (f"generated {total} tokens in {wall:.2f} s ({compiling:.1f} s compiling): "
+            f"{total / max(wall - compiling, 1e-9):.1f} tokens/s")
+    if gen.speculative:
+        acc = engine.acceptance
+        line += (f"; acceptance {100 * acc['acceptance_rate']:.1f}%, mean accepted length "
+                 f"{acc['mean_accepted_length']:.2f}")
+    print(f"{line} ({len(engine.compiled)} programs compiled)", file=sys.stderr)
+    return 0
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="sample from a model: HF directory, converted directory or training run",
+                       description="Generate with the inference engine (latent cache, continuous batching, "
+                                   "optional MTP speculative decoding). Streams the text of one --prompt, or "
+                                   "writes one JSON line per --prompts record (source, tokens, logprobs, "
+                                   "finish_reason, text); prints tokens/s (and acceptance) to stderr. Settings as "
+                                   "key=value: max_new_tokens, temperature (0: greedy), top_p, top_k, seed, "
+                                   "speculative, stop, max_slots, max_len, steps_per_call; model.KEY=VALUE "
+                                   "overrides the model config (e.g. model.dtype=bfloat16).")
+    p.add_argument("model", help="a Hugging Face directory, a converted directory or a training run directory")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None, help="one text prompt (needs the model's tokenizer)")
+    source.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                        help='one prompt per line: {"prompt": text}, {"tokens": [ids]} or {"messages": [...]}')
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template; stop at its end marker")
+    p.add_argument("--out", default=None, metavar="FILE.jsonl", help="write the JSON lines here instead of stdout")
+    p.add_argument("--devices", type=_positive_int, default=1,
+                   help="decode on this many devices (the dual grid's inference layout; default 1)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="generation settings and model.KEY overrides")
+    p.set_defaults(run=_run_generate)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -481,6 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_export(sub)
     _add_tasks(sub)
+    _add_generate(sub)
     return parser
 
 

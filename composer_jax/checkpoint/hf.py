@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from composer_jax import config as config_lib
-from composer_jax.checkpoint.hf_config import config_from_hf, read_hf_config
+from composer_jax.checkpoint.hf_config import config_from_hf, eos_token_ids, read_hf_config
 from composer_jax.checkpoint.hf_layout import (SIDE_PREFIXES, Tensor, hf_rows_to_ours, mtp_copies,
                                                rows_per_index, tensor_plan)
 from composer_jax.checkpoint.quant import QuantConfig, TensorReader
@@ -171,7 +171,8 @@ def from_pretrained(path: str | Path, overrides=(), *, rngs_seed: int = 0, stric
     `["dtype=bfloat16", "moe.dispatch=dense", "mtp.num_layers=1"]`. MTP depths absent from the
     checkpoint but requested by `mtp.num_layers` are freshly initialized (seed `rngs_seed`). INT4 / FP8
     weights are dequantized in float32, then cast to `param_dtype`. `strict`: unexpected tensors are an
-    error (else a warning). Returns the model; `model(tokens)` gives float32 logits [batch, seq, vocab].
+    error (else a warning). Returns the model; `model(tokens)` gives float32 logits [batch, seq, vocab];
+    `model.eos_token_ids` holds the checkpoint's end-of-sequence ids (generation's default stop tokens).
     """
     source = open_hf(path, overrides)
     cfg = source.cfg
@@ -193,4 +194,6 @@ def from_pretrained(path: str | Path, overrides=(), *, rngs_seed: int = 0, stric
             values[("mtp",) + tuple(str(p) for p in path)] = np.asarray(value.get_value())
     for path_key, var in flat.items():
         var.set_value(jnp.asarray(values[tuple(str(p) for p in path_key)]))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model.eos_token_ids = eos_token_ids(source.path)
+    return model

@@ -143,3 +143,23 @@ def read_hf_config(path: Path) -> tuple[dict, dict, str]:
         text.setdefault("quantization_config", hf.get("quantization_config"))
         return hf, text, K25_PREFIX
     return hf, hf, ""
+
+
+def eos_token_ids(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of a HF directory (what generation stops at by default): from
+    generation_config.json if it names any, else config.json (top level, then K2.5's text_config);
+    () when none is given."""
+    sources = []
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            try:
+                data = json.loads(file.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{file}: not valid JSON: {e}") from None
+            sources += [data, data.get("text_config") or {}]
+    for data in sources:
+        ids = data.get("eos_token_id")
+        if ids is not None:
+            return tuple(int(i) for i in (ids if isinstance(ids, list) else [ids]))
+    return ()

@@ -31,6 +31,7 @@ from etils import epath
 from flax import nnx
 
 from composer_jax import config as config_lib
+from composer_jax.checkpoint.hf_config import eos_token_ids
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ModelConfig
 from composer_jax.tree_paths import path_keys
@@ -199,7 +200,10 @@ def load_model(directory: str | Path, overrides=(), *, shardings=None) -> nnx.Mo
     restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / PARAMS_DIR,
                                                   jax.tree_util.tree_map_with_path(target, pure))
     nnx.replace_by_pure_dict(state, restored)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    if (Path(directory) / HF_FILES).is_dir():  # the source checkpoint's EOS ids, as from_pretrained sets them
+        model.eos_token_ids = eos_token_ids(Path(directory) / HF_FILES)
+    return model
 
 
 def write_model_config(directory: Path, cfg: ModelConfig) -> None:

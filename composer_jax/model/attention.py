@@ -61,7 +61,10 @@ def load_balanced_order(seq: int, cp: int) -> np.ndarray:
 
 
 class MLA(nnx.Module):
-    """x: [batch, seq, embed] -> [batch, seq, embed]."""
+    """x: [batch, seq, embed] -> [batch, seq, embed], in three parts shared by both attention forms:
+    `query` (q-LoRA projection, rope on the rope dims), `latent` (the normalised c_kv and rotated shared
+    rope key: what a decode cache holds) and `attend` (decompressed keys and values: training and
+    prefill) or `attend_absorbed` (kv_b_proj folded into the query and the output: decode)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         mla, d, pd = cfg.mla, cfg.hidden_size, cfg.param_dtype
@@ -84,37 +87,89 @@ class MLA(nnx.Module):
         self.o_proj = param(rngs, (h, mla.v_head_dim, d), ("heads", "v_head", "embed"), pd,
                             reduction=("v_head",), output=("embed",))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, prefix=None):
+    def query(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [batch, seq, embed] -> (q_nope [batch, seq, heads, nope], q_rope [batch, seq, heads, rope])."""
+        mla, dt = self.cfg, self.dtype
+        c_q = self.q_a_norm(x.astype(dt) @ weight(self.q_a_proj, dt))                  # [b, s, r_q]
+        q = jnp.einsum("bsr,rhk->bshk", c_q, weight(self.q_b_proj, dt))               # [b, s, h, nope+rope]
+        return q[..., : mla.qk_nope_head_dim], rope_lib.apply_rope(q[..., mla.qk_nope_head_dim:], cos, sin)
+
+    def latent(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [batch, seq, embed] -> (c_kv [batch, seq, kv_lora] normalised, k_rope [batch, seq, rope]
+        rotated at the tokens' positions): all that keys and values are made of."""
+        mla, dt = self.cfg, self.dtype
+        kv_a = x.astype(dt) @ weight(self.kv_a_proj, dt)                               # [b, s, r_kv+rope]
+        c_kv = self.kv_a_norm(kv_a[..., : mla.kv_lora_rank])
+        k_rope = rope_lib.apply_rope(kv_a[:, :, None, mla.kv_lora_rank:], cos, sin)[:, :, 0]  # one shared head
+        return c_kv, k_rope
+
+    def _softmax(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """scores: f32[batch, heads, q, k] unscaled; mask: bool[batch, q, k] -> (probs in the compute
+        dtype, each head's largest scaled logit f32[heads], tracked for QK-clip)."""
+        f32 = jnp.float32
+        scores = jnp.where(mask[:, None], scores * self.scale, jnp.finfo(f32).min)
+        max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
+        return jax.nn.softmax(scores, axis=-1).astype(self.dtype), max_logits
+
+    def attend(self, q: tuple[jax.Array, jax.Array], keys: tuple[jax.Array, jax.Array], mask: jax.Array):
+        """Attention with keys and values decompressed from the latent (training / prefill).
+
+        q: (q_nope, q_rope) of `query`; keys: (c_kv [batch, k, kv_lora], k_rope [batch, k, rope]) of every
+        key; mask: bool[batch, q, k]. Returns ([batch, q, embed], max_logits f32[heads]).
+        """
+        mla, dt, f32 = self.cfg, self.dtype, jnp.float32
+        (q_nope, q_rope), (c_kv, k_rope) = q, keys
+        kv = jnp.einsum("bsr,rhk->bshk", c_kv.astype(dt), weight(self.kv_b_proj, dt))
+        k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s_k, h, *]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
+        scores += jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope.astype(dt), preferred_element_type=f32)
+        probs, max_logits = self._softmax(scores, mask)
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
+        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
+
+    def attend_absorbed(self, q: tuple[jax.Array, jax.Array], parts: list[tuple[jax.Array, jax.Array]],
+                        mask: jax.Array):
+        """The same attention with kv_b_proj absorbed (DeepSeek-V3's `attn_impl="absorb"`): its key half
+        folds into the query, its value half into the output, so keys are the 576-wide latent itself and
+        the cost is O(keys x latent) per query, with nothing decompressed.
+
+        parts: the keys as (c_kv [batch, k_i, kv_lora], k_rope [batch, k_i, rope]) blocks (e.g. a cache
+        and the new tokens), concatenated in that order along the key axis of `mask` bool[batch, q, sum k_i]
+        without copying the blocks. Returns ([batch, q, embed], max_logits f32[heads]).
+        """
+        mla, dt, f32 = self.cfg, self.dtype, jnp.float32
+        q_nope, q_rope = q
+        kv_b = weight(self.kv_b_proj, dt)
+        w_uk, w_uv = kv_b[..., : mla.qk_nope_head_dim], kv_b[..., mla.qk_nope_head_dim:]  # [r, h, nope], [r, h, v]
+        q_latent = jnp.einsum("bshd,rhd->bshr", q_nope, w_uk)                         # [b, s, h, r_kv]
+        scores = jnp.concatenate([
+            jnp.einsum("bqhr,bkr->bhqk", q_latent, c_kv.astype(dt), preferred_element_type=f32)
+            + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope.astype(dt), preferred_element_type=f32)
+            for c_kv, k_rope in parts], axis=-1)
+        probs, max_logits = self._softmax(scores, mask)
+        bounds = np.cumsum([0] + [c.shape[1] for c, _ in parts])
+        out_latent = sum(jnp.einsum("bhqk,bkr->bqhr", probs[..., lo:hi], c_kv.astype(dt))
+                         for (c_kv, _), lo, hi in zip(parts, bounds[:-1], bounds[1:]))  # [b, s, h, r_kv]
+        out = jnp.einsum("bqhr,rhd->bqhd", out_latent, w_uv)                          # [b, s, h, v]
+        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, prefix=None,
+                 absorbed: bool = False):
         """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, prefix + seq_k]
         (seq_k: the whole sequence; seq: this device's queries under context parallelism); prefix:
         optional (c_kv [batch, prefix, kv_lora], k_rope [batch, prefix, rope]) of earlier tokens that
-        every query may attend to (their mask columns come first).
+        every query may attend to (their mask columns come first); absorbed: use `attend_absorbed`
+        (decode) instead of `attend`.
 
         Returns the output [batch, seq, embed], each head's largest scaled attention logit f32[heads]
         (tracked for QK-clip) and this layer's latent (c_kv, k_rope) of the input tokens.
         """
-        mla, dt = self.cfg, self.dtype
-        x = x.astype(dt)
-        c_q = self.q_a_norm(x @ weight(self.q_a_proj, dt))                             # [b, s, r_q]
-        q = jnp.einsum("bsr,rhk->bshk", c_q, weight(self.q_b_proj, dt))               # [b, s, h, nope+rope]
-        q_nope, q_rope = q[..., : mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:]
-        q_rope = rope_lib.apply_rope(q_rope, cos, sin)
-        kv_a = x @ weight(self.kv_a_proj, dt)                                          # [b, s, r_kv+rope]
-        c_kv = self.kv_a_norm(kv_a[..., : mla.kv_lora_rank])
-        k_rope = rope_lib.apply_rope(kv_a[:, :, None, mla.kv_lora_rank:], cos, sin)[:, :, 0]  # one shared head
-        latent = (c_kv, k_rope)
-        c_kv, k_rope = gather_sequence(c_kv), gather_sequence(k_rope)                 # keys: whole sequence
-        if prefix is not None:
-            c_kv = jnp.concatenate([prefix[0].astype(dt), c_kv], axis=1)
-            k_rope = jnp.concatenate([prefix[1].astype(dt), k_rope], axis=1)
-        kv = jnp.einsum("bsr,rhk->bshk", c_kv, weight(self.kv_b_proj, dt))
-        k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s_k, h, *]
-
-        f32 = jnp.float32
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
-        scores += jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope, preferred_element_type=f32)
-        scores = jnp.where(mask[:, None], scores * self.scale, jnp.finfo(f32).min)
-        max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))                 # [h]
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
-        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits, latent
+        q, latent = self.query(x, cos, sin), self.latent(x, cos, sin)
+        keys = (gather_sequence(latent[0]), gather_sequence(latent[1]))               # keys: whole sequence
+        if absorbed:
+            out, max_logits = self.attend_absorbed(q, ([prefix] if prefix is not None else []) + [keys], mask)
+        else:
+            if prefix is not None:
+                keys = tuple(jnp.concatenate([p.astype(self.dtype), k], axis=1) for p, k in zip(prefix, keys))
+            out, max_logits = self.attend(q, keys, mask)
+        return out, max_logits, latent

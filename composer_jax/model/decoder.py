@@ -26,14 +26,15 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", pd, rngs=rngs)
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
 
-    def __call__(self, h, cos, sin, mask, prefix=None, return_latents: bool = False):
-        """h: [batch, seq, embed] -> (h, stats). `prefix`: this layer's (c_kv, k_rope) of earlier tokens.
+    def __call__(self, h, cos, sin, mask, prefix=None, return_latents: bool = False, absorbed: bool = False):
+        """h: [batch, seq, embed] -> (h, stats). `prefix`: this layer's (c_kv, k_rope) of earlier tokens
+        (e.g. a decode cache); `absorbed`: attention in the absorbed (decode) form.
 
         stats: `max_logits` f32[heads] (per-head largest attention logit), with `return_latents` the
         layer's `latent` (c_kv, k_rope), and for an MoE layer the MoE stats (`expert_load`
         f32[experts] for the bias update, `dropped` int32[]).
         """
-        attn, max_logits, latent = self.attn(self.input_norm(h), cos, sin, mask, prefix)
+        attn, max_logits, latent = self.attn(self.input_norm(h), cos, sin, mask, prefix, absorbed)
         h = h + attn
         stats = {"max_logits": max_logits}
         if return_latents:

@@ -6,6 +6,7 @@ token shard and its slice of the experts (`experts / ep`, embed dim / efsdp):
 
 - `dense`, `ragged`: the expert weights are all-gathered and every device runs the local backend on
   its own tokens (the replicated-experts reference).
+  (Under the inference placement the experts' embed dim is whole: nothing to gather.)
 - `ep_a2a`: each device packs its token copies into a fixed-capacity buffer per destination `ep` rank,
   `all_to_all`s them to the devices owning their experts, runs `ragged_dot` on what it received, and
   `all_to_all`s the results back. Assignments beyond the capacity are dropped and counted; capacity
@@ -29,9 +30,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.model import dispatch
 from composer_jax.model.dispatch import ExpertWeights
 from composer_jax.parallel.mesh import EXPERT_AXES, EXPERT_TOKEN_AXES, DualMesh
-
-EXPERT_SPECS = ExpertWeights(gate=P("ep", "efsdp", None), up=P("ep", "efsdp", None), down=P("ep", None, "efsdp"))
-
+from composer_jax.parallel.partitioning import expert_dispatch_specs
 
 def _gather_efsdp(w: ExpertWeights) -> ExpertWeights:
     """Inside shard_map: whole embed dims of the local experts (expert FSDP)."""
@@ -129,9 +128,12 @@ def sharded_dispatch(kind: str, dual: DualMesh, x, weights, idx, experts: Expert
     """
     num_experts = experts.gate.shape[0]
     ep = dual.sizes["ep"]
+    specs = expert_dispatch_specs(dual)
+    embed_split = specs[0][1] is not None
 
     def local(x, weights, idx, gate, up, down):
-        w = _gather_efsdp(ExpertWeights(gate, up, down))
+        w = ExpertWeights(gate, up, down)
+        w = _gather_efsdp(w) if embed_split else w
         if kind == "ep_a2a":
             y, dropped = _a2a_local(x, weights, idx, w, ep, factor)
         elif kind == "ep_ragged":
@@ -146,9 +148,9 @@ def sharded_dispatch(kind: str, dual: DualMesh, x, weights, idx, experts: Expert
     tokens_spec = P(EXPERT_TOKEN_AXES, None)
     with dual.expert_scope():
         args = [dual.to_expert(a) for a in (x, weights, idx)]
-        args += [jax.sharding.reshard(w, NamedSharding(dual.expert, s)) for w, s in zip(experts, EXPERT_SPECS)]
+        args += [jax.sharding.reshard(w, NamedSharding(dual.expert, s)) for w, s in zip(experts, specs)]
         y, load, dropped = jax.shard_map(
-            local, mesh=dual.expert, in_specs=(tokens_spec,) * 3 + tuple(EXPERT_SPECS),
+            local, mesh=dual.expert, in_specs=(tokens_spec,) * 3 + specs,
             out_specs=(tokens_spec, P(), P()))(*args)
         replicated = lambda a: jax.sharding.reshard(a, NamedSharding(dual.dense, P()))  # noqa: E731
         return dual.to_dense(y), replicated(load), replicated(dropped)

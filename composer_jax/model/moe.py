@@ -5,13 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import dispatch
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.model.layers import MLP, param
 from composer_jax.model.router import Router, expert_load
-from composer_jax.parallel.partitioning import activation_spec
+from composer_jax.parallel.partitioning import activation_spec, spread_tokens, unspread_tokens
 
 
 class MoE(nnx.Module):
@@ -20,7 +21,9 @@ class MoE(nnx.Module):
     stats: `expert_load` f32[experts] (assignments per expert) and `dropped` int32[] (assignments
     dropped by a fixed-capacity dispatch). With `mesh` (a DualMesh, static; set by
     `parallel.shard_model`) the routed experts run on its expert mesh
-    (composer_jax.model.expert_parallel); without one, on the local backend.
+    (composer_jax.model.expert_parallel); without one, on the local backend. Under the inference
+    placement a small batch's tokens are zero-padded to the device count for the dispatch (the padding
+    rows count in `expert_load`; decoding does not use it).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -54,13 +57,22 @@ class MoE(nnx.Module):
             y = dispatch.BACKENDS[self.dispatch](tokens, weights, idx, w).reshape(b, s, d)
             stats = {"expert_load": expert_load(idx, self.num_experts), "dropped": jnp.zeros((), jnp.int32)}
         else:
-            tokens = jnp.reshape(x.astype(self.dtype), (b * s, d), out_sharding=activation_spec("tokens", None))
+            # Training: tokens on every dense token axis. Inference: the batch's own placement (split over
+            # the data axes or replicated), spread over the devices for the dispatch and back.
+            batch = jax.typeof(x).sharding.spec[0] if dual.inference else None
+            token_spec = P(batch, None) if dual.inference else activation_spec("tokens", None)
+            tokens = jnp.reshape(x.astype(self.dtype), (b * s, d), out_sharding=token_spec)
             weights, idx = self.router(tokens)
+            if dual.inference:
+                tokens, weights, idx = (spread_tokens(a, dual) for a in (tokens, weights, idx))
             with dual.expert_scope():
                 w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
             y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w,
                                                 self.capacity_factor)
-            y = jnp.reshape(y, (b, s, d), out_sharding=activation_spec("batch", "seq", None))
+            if dual.inference:
+                y = unspread_tokens(y, b * s, token_spec)
+            out_spec = P(batch, None, None) if dual.inference else activation_spec("batch", "seq", None)
+            y = jnp.reshape(y, (b, s, d), out_sharding=out_spec)
             stats = {"expert_load": load, "dropped": dropped}
         if self.shared is not None:
             y = y + self.shared(x)

@@ -21,6 +21,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
+from composer_jax.parallel import leafwise
 
 
 class MTPDepth(nnx.Module):
@@ -37,9 +38,15 @@ class MTPDepth(nnx.Module):
         self.layer = DecoderLayer(cfg, cfg.num_moe_layers > 0, rngs=rngs)
         self.head_norm = RMSNorm(d, eps, "embed", pd, rngs=rngs)
 
-    def __call__(self, h_prev, cos, sin, mask, emb):
+    def __call__(self, h_prev, cos, sin, mask, emb, prefix=None, return_latents: bool = False,
+                 absorbed: bool = False):
+        """h_prev: [batch, seq, embed] (the previous depth's hidden state, the main model's for depth 1);
+        emb: [batch, seq, embed] (embeddings of the tokens this depth sees). `prefix`, `return_latents`,
+        `absorbed`: as for `DecoderLayer` (a decode step over this depth's own latent cache).
+        Returns (h, (head-normed h, layer stats))."""
         x = jnp.concatenate([self.enorm(emb), self.hnorm(h_prev)], axis=-1).astype(self.dtype)
-        h, stats = self.layer(x @ weight(self.eh_proj, self.dtype), cos, sin, mask)
+        h, stats = self.layer(x @ weight(self.eh_proj, self.dtype), cos, sin, mask, prefix,
+                              return_latents=return_latents, absorbed=absorbed)
         return h, (self.head_norm(h), stats)
 
 
@@ -66,6 +73,11 @@ class MTP(nnx.Module):
         _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask,
                                             per_layer={"emb": embed(next_tokens)})
         return mtp_hidden, stats
+
+    def depth(self, k: int) -> MTPDepth:
+        """Depth k+1 alone (k: 0-based index into the stack), e.g. to draft one token per decode step."""
+        graphdef, state = nnx.split(self.depths)
+        return nnx.merge(graphdef, leafwise.tree_map(lambda x: x[k], state))  # expert leaves: on their mesh
 
 
 def shifted_tokens(tokens: jax.Array, depths: int) -> jax.Array:

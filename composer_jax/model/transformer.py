@@ -28,9 +28,19 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
+def with_prefix_columns(mask: jax.Array, valid: jax.Array) -> jax.Array:
+    """bool[batch, q, prefix + k]: `mask` bool[batch, q, k] with the prefix's columns first, visible to
+    every query where `valid` bool[batch, prefix]."""
+    visible = jnp.broadcast_to(valid[:, None, :], mask.shape[:2] + valid.shape[1:])
+    if not jax.typeof(mask).sharding.mesh.empty:  # lay the prefix columns out like the mask
+        visible = jax.sharding.reshard(visible, jax.typeof(mask).sharding.spec)
+    return jnp.concatenate([visible, mask], axis=-1)
+
+
 class SequenceLayout:
     """Where a batch's [..., batch, seq, ...] arrays live: unsharded without a DualMesh, else
-    batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order."""
+    batch-sharded on the dense mesh with the sequence on `cp`, in the load-balanced chunk order; under
+    the inference placement wherever the caller put them (`partitioning.inference_batch_sharding`)."""
 
     def __init__(self, seq: int, dual: DualMesh | None):
         self.dual = dual
@@ -44,7 +54,7 @@ class SequenceLayout:
         return activation_spec(*spec)
 
     def _move(self, x, seq_axis: int, permutation, to_seq):
-        if self.dual is None:
+        if self.dual is None or self.dual.inference:  # inference: the caller placed the batch (no CP)
             return x
         if permutation is not None:
             x = jax.sharding.reshard(x, self._spec(x.ndim, seq_axis, None))
@@ -81,6 +91,7 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh: DualMesh | None = None):
         self.cfg = cfg
         self.mesh = mesh
+        self.eos_token_ids: tuple[int, ...] = ()  # end-of-sequence ids of the checkpoint (set by its loader)
         self.embed = Embed(cfg, rngs=rngs)
         self.dense_layers = (create_stack(lambda r: DecoderLayer(cfg, False, rngs=r), cfg.num_dense_layers, rngs)
                              if cfg.num_dense_layers else None)
@@ -112,7 +123,8 @@ class CausalLM(nnx.Module):
                              f"[0, vocab_size={cfg.vocab_size}) ({len(bad)} out-of-range ids in total)")
 
     def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
-                return_latents: bool = False, prefix: LatentCache | None = None) -> Output:
+                return_latents: bool = False, prefix: LatentCache | None = None,
+                absorbed: bool = False) -> Output:
         """Hidden states of the main model and of every MTP depth.
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
@@ -121,8 +133,11 @@ class CausalLM(nnx.Module):
         prefix: latents of earlier tokens (e.g. another forward's `latents`) that every token may
         attend to where `prefix.valid`; pass the new tokens' `positions` continuing after it. Gradients
         flow into the prefix unless the caller stops them.
+        absorbed: attention in the absorbed form (`MLA.attend_absorbed`: the decode path; equal to the
+        default up to rounding).
         Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
-        the load-balanced chunk order, undone on the outputs).
+        the load-balanced chunk order, undone on the outputs); under its inference placement
+        (`DualMesh.for_inference()`) the inputs stay where the caller placed them.
         """
         self._check_inputs(tokens, segment_ids, positions)
         if segment_ids is None:
@@ -135,10 +150,7 @@ class CausalLM(nnx.Module):
         mask = attention_mask(segment_q, gather_sequence(segment_q), order_q, gather_sequence(order_q))
         if prefix is not None:
             self._check_prefix(prefix, tokens.shape[0], layout, with_mtp)
-            visible = jnp.broadcast_to(prefix.valid[:, None, :], mask.shape[:2] + prefix.valid.shape[1:])
-            if not jax.typeof(mask).sharding.mesh.empty:  # lay the prefix columns out like the mask
-                visible = jax.sharding.reshard(visible, jax.typeof(mask).sharding.spec)
-            mask = jnp.concatenate([visible, mask], axis=-1)
+            mask = with_prefix_columns(mask, prefix.valid)
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, layout.place(positions))
         h = self.embed(layout.place(tokens))
         max_logits, latents = [], []
@@ -150,7 +162,8 @@ class CausalLM(nnx.Module):
                 continue
             per_layer = None if prefix is None else {
                 "prefix": (prefix.c_kv[first:first + n], prefix.k_rope[first:first + n])}
-            h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, return_latents=return_latents)
+            h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, return_latents=return_latents,
+                                  absorbed=absorbed)
             first += n
             max_logits.append(stats["max_logits"])
             latents.append(stats.get("latent"))
@@ -182,6 +195,32 @@ class CausalLM(nnx.Module):
             raise ValueError("a prefix cannot be combined with context parallelism (cp > 1)")
         if with_mtp and self.mtp is not None:
             raise ValueError("a prefix runs the main model only: pass with_mtp=False")
+
+    def mtp_step(self, hidden: jax.Array, tokens: jax.Array, positions: jax.Array, prefix: LatentCache | None,
+                 *, depth: int = 0, absorbed: bool = False):
+        """One MTP depth over a few positions of a sequence (speculative drafting).
+
+        hidden: [batch, seq, embed] the previous depth's hidden state at those positions (the main
+        model's `Output.hidden` for depth 0); tokens: int[batch, seq] the tokens that depth sees there
+        (t[i+depth+1] at position i); positions: int[batch, seq]; prefix: this depth's latents of earlier
+        positions (a LatentCache with a leading depths axis) or None. The positions attend causally to
+        each other and to the valid prefix.
+        Returns (head-normed hidden [batch, seq, embed]: `logits` gives the distribution of
+        t[i+depth+2], the depth's latent (c_kv [batch, seq, kv_lora], k_rope [batch, seq, rope])).
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP depths (mtp.num_layers=0)")
+        order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        same = jnp.zeros(tokens.shape, jnp.int32)
+        mask = attention_mask(same, same, order, order)
+        layer_prefix = None
+        if prefix is not None:
+            mask = with_prefix_columns(mask, prefix.valid)
+            layer_prefix = (prefix.c_kv[depth], prefix.k_rope[depth])
+        cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, positions)
+        _, (normed, stats) = self.mtp.depth(depth)(hidden, cos, sin, mask, self.embed(tokens), layer_prefix,
+                                                    return_latents=True, absorbed=absorbed)
+        return normed, stats["latent"]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""

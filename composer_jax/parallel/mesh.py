@@ -14,12 +14,14 @@ This file owns the JAX rules that bite with two meshes (shared/reference/framewo
 A DualMesh is hashable and compares by its two meshes (devices, order, axes), so code that is traced
 for a layout can carry it as static data: the model holds it as a static attribute (part of its
 graphdef, hence of every jit cache key) rather than reading it from a context at trace time.
-`with dual_mesh:` makes the dense mesh JAX's context mesh for Explicit-axes ops.
+`with dual_mesh:` makes the dense mesh JAX's context mesh for Explicit-axes ops. `for_inference()` gives
+the same meshes with the decoding placement rules (a distinct, equally static layout).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import jax
@@ -78,17 +80,30 @@ class DualMesh:
                           axis_types=explicit(3))
         self.expert = Mesh(devices.reshape([self.sizes[a] for a in EXPERT_AXES]), EXPERT_AXES,
                            axis_types=explicit(3))
+        self.inference = False  # the placement rules: training (False) or decoding (see for_inference)
         self._contexts: list = []
 
+    def for_inference(self) -> "DualMesh":
+        """The same meshes with the inference placement (composer_jax.parallel.partitioning): dense
+        weights replicated, routed experts on `ep` only, batches split over the data axes only where
+        they divide. A different layout: it compares unequal to the training one."""
+        if self.cp > 1:
+            raise ConfigError("cp", f"decoding runs without context parallelism: need cp=1, got cp={self.cp}")
+        twin = copy.copy(self)
+        twin.inference, twin._contexts = True, []
+        return twin
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, DualMesh) and (self.dense, self.expert) == (other.dense, other.expert)
+        return (isinstance(other, DualMesh) and (self.dense, self.expert, self.inference)
+                == (other.dense, other.expert, other.inference))
 
     def __hash__(self) -> int:
-        return hash((self.dense, self.expert))
+        return hash((self.dense, self.expert, self.inference))
 
     def __repr__(self) -> str:
         fmt = lambda axes: ", ".join(f"{a}={self.sizes[a]}" for a in axes)  # noqa: E731
-        return f"DualMesh(dense=({fmt(DENSE_AXES)}), expert=({fmt(EXPERT_AXES)}))"
+        placement = ", inference placement" if self.inference else ""
+        return f"DualMesh(dense=({fmt(DENSE_AXES)}), expert=({fmt(EXPERT_AXES)}){placement})"
 
     def __enter__(self) -> "DualMesh":
         context = jax.set_mesh(self.dense)

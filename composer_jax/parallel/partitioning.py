@@ -6,11 +6,19 @@ dimension takes the mesh axes its logical name lists, first fit in dimension ord
 most once per tensor and only where it divides the dimension. Vectors (norm scales, router bias) stay
 replicated: they are tiny and read by every token. Optimizer state is sharded as the optimizer's init
 places it (`state_shardings`), i.e. like its parameter.
+
+Inference placement (`DualMesh.for_inference()`, what the decode engine runs on): a decode step reads
+every dense weight for a handful of tokens, so FSDP would all-gather each weight once per token. Dense
+weights are replicated instead (no collective in a step), routed experts stay split over `ep` (not
+`efsdp`: no per-step gather either) and tokens reach them through the expert dispatch. Decode batches
+(the engine's slots) are split over the data axes where they divide, and replicated otherwise, so a
+batch of one works on any grid; the expert dispatch pads and spreads the tokens of a replicated batch.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -26,6 +34,9 @@ DENSE_PARAM_RULES: dict[str, tuple[str, ...]] = {
 }
 # Experts over `ep`; their embed dim over `efsdp` (expert FSDP, gathered inside the dispatch).
 EXPERT_PARAM_RULES: dict[str, tuple[str, ...]] = {"experts": ("ep",), "embed": ("efsdp",)}
+# Inference: dense weights replicated, experts over `ep` only.
+INFERENCE_DENSE_PARAM_RULES: dict[str, tuple[str, ...]] = {}
+INFERENCE_EXPERT_PARAM_RULES: dict[str, tuple[str, ...]] = {"experts": ("ep",)}
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,               # dense mesh
     "seq": ("cp",),                    # dense mesh
@@ -38,11 +49,16 @@ def grid_of(axes: tuple[str, ...]) -> str:
     return "expert" if "experts" in axes else "dense"
 
 
-def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], sizes: dict[str, int]) -> P:
-    """The PartitionSpec of one parameter from its logical axes, shape and the mesh axis sizes."""
+def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], sizes: dict[str, int], inference: bool = False) -> P:
+    """The PartitionSpec of one parameter from its logical axes, shape and the mesh axis sizes
+    (training rules, or the inference placement's)."""
     if sum(a != "layers" for a in axes) < 2:
         return P(*([None] * len(shape)))
-    rules = EXPERT_PARAM_RULES if grid_of(axes) == "expert" else DENSE_PARAM_RULES
+    expert = grid_of(axes) == "expert"
+    if inference:
+        rules = INFERENCE_EXPERT_PARAM_RULES if expert else INFERENCE_DENSE_PARAM_RULES
+    else:
+        rules = EXPERT_PARAM_RULES if expert else DENSE_PARAM_RULES
     used, spec = set(), []
     for name, dim in zip(axes, shape):
         chosen, shards = [], 1
@@ -78,7 +94,8 @@ def param_shardings(state: nnx.State, dual: DualMesh) -> nnx.State:
     def sharding(var):
         axes = var.get_metadata("axes")
         mesh = dual.expert if grid_of(axes) == "expert" else dual.dense
-        return var.replace(NamedSharding(mesh, spec_for(axes, tuple(var.get_value().shape), dual.sizes)))
+        spec = spec_for(axes, tuple(var.get_value().shape), dual.sizes, dual.inference)
+        return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -140,3 +157,43 @@ def gather_whole(x: jax.Array) -> jax.Array:
     if any(axis is not None for axis in jax.typeof(x).sharding.spec):
         return jax.sharding.reshard(x, P())
     return x
+
+
+def expert_dispatch_specs(dual: DualMesh) -> tuple[P, P, P]:
+    """PartitionSpecs of the stacked routed-expert weights (gate [E, embed, f], up, down [E, f, embed])
+    inside the expert-mesh dispatch: experts over `ep`; in training also the embed dim over `efsdp`
+    (expert FSDP, gathered per use), which the inference placement leaves whole."""
+    embed = None if dual.inference else "efsdp"
+    return P("ep", embed, None), P("ep", embed, None), P("ep", None, embed)
+
+
+def inference_batch_axes(dual: DualMesh, batch: int) -> tuple[str, ...] | None:
+    """The dense-mesh axes a decode batch of `batch` rows is split over: the data axes when they divide
+    it, else none (replicated: every device runs the whole small batch through the replicated weights)."""
+    data = 1
+    for axis in BATCH_AXES:
+        data *= dual.sizes[axis]
+    return BATCH_AXES if batch % data == 0 else None
+
+
+def inference_batch_sharding(dual: DualMesh, shape: tuple[int, ...], batch_dim: int = 0) -> NamedSharding:
+    """Where an inference array of `shape` lives: its `batch_dim` split by `inference_batch_axes`."""
+    spec = [None] * len(shape)
+    spec[batch_dim] = inference_batch_axes(dual, shape[batch_dim])
+    return NamedSharding(dual.dense, P(*spec))
+
+
+def spread_tokens(tokens: jax.Array, dual: DualMesh) -> jax.Array:
+    """[tokens, ...] of an inference batch (split over the data axes or replicated) -> split over every
+    dense token axis, as the expert dispatch takes them, zero-padded to a multiple of the device count."""
+    count, devices = tokens.shape[0], dual.dense.size
+    pad = -count % devices
+    if pad:
+        tokens = jnp.concatenate([tokens, jnp.zeros((pad,) + tokens.shape[1:], tokens.dtype)])
+    return jax.sharding.reshard(tokens, P(DENSE_TOKEN_AXES, *([None] * (tokens.ndim - 1))))
+
+
+def unspread_tokens(y: jax.Array, count: int, spec: P) -> jax.Array:
+    """The first `count` rows of `spread_tokens` output `y`, back in their batch placement `spec`."""
+    y = jax.sharding.reshard(y, spec)
+    return y if y.shape[0] == count else y[:count]

@@ -1,0 +1,34 @@
+"""`composer-jax generate` settings: a typed config read from `key=value` arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from composer_jax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = 256
+    temperature: float = 1.0        # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: no limit
+    seed: int = 0                   # request i uses seed + i
+    speculative: bool = False       # MTP speculative decoding
+    stop: str = ""                  # a stop string ("" : none); --chat adds the template's end marker
+    max_slots: int = 8              # requests decoded at once
+    max_len: int = 0                # cache positions per slot; 0: the longest prompt + max_new_tokens
+    steps_per_call: int = 8         # decode steps per engine call (and per streamed chunk)
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "max_slots", "steps_per_call"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_len < 0:
+            raise ConfigError("top_k" if self.top_k < 0 else "max_len", "must be >= 0")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")

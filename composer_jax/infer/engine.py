@@ -1,0 +1,388 @@
+"""The inference engine: continuous batching over fixed slots, chunked prefill, weight versions.
+
+A cache of `max_slots x max_len` latent positions lives on the device. Requests queue up and take free
+slots as they open; each `step()` runs one prefill chunk for the slots still reading their prompts
+(while the others wait with their state intact) and then up to `steps_per_call` decode steps for every
+slot that is generating, so new requests join while others keep decoding. A finished slot is freed,
+or kept (`keep=True`) so that a follow-up request (`continue_from`) prefills only its new tokens after
+the kept history: an agent's next turn after a tool's output.
+
+Shapes are fixed by (max_slots, max_len, chunk width, steps_per_call): any stream of requests compiles
+one decode program and at most one prefill program per chunk width; each compilation is logged and
+listed in `compiled`. `update_weights(weights, version)` swaps parameters of the same shapes in place,
+without retracing; every token records the version that produced it.
+
+Under a DualMesh (`model.mesh`), the engine places the model with the inference layout
+(`DualMesh.for_inference()`: replicated dense weights, experts on ep) and splits the slots over the
+data axes where they divide, so any number of slots runs on any grid.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from composer_jax.infer import programs
+from composer_jax.infer.cache import cache_shapes
+from composer_jax.infer.programs import Slots
+from composer_jax.infer.sampling import SamplingParams, SlotSampling
+from composer_jax.parallel import shard_model
+from composer_jax.parallel.partitioning import inference_batch_sharding
+from composer_jax.tree_paths import path_str
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNKS = (16, 64, 256)
+
+
+class GenerationError(ValueError):
+    """A request or engine setting cannot be served; the message names the culprit."""
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's output. `tokens` are the new ids (up to and including a stop token)."""
+
+    request_id: int
+    prompt: list[int]                     # the ids this request added (after the kept history, if continuing)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)            # raw model log-probs
+    behaviour_logprobs: list[float] = dataclasses.field(default_factory=list)  # under the sampling distribution
+    versions: list[int] = dataclasses.field(default_factory=list)              # weights version per token
+    finish_reason: str | None = None      # "stop", "stop_string" or "length" (max_new_tokens or the cache)
+
+
+@dataclasses.dataclass
+class Update:
+    """What one `step()` produced for a request: its new tokens, and the completion once it finished."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: Completion | None = None
+
+
+@dataclasses.dataclass
+class _Slot:
+    completion: Completion
+    history: list[int]          # every token of the slot's sequence, across continued turns
+    cached: int                 # history tokens whose latents are in the cache
+    todo: list[int]             # tokens still to prefill
+    budget: int                 # tokens the current request may still emit
+    sampling: SamplingParams
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+    keep: bool
+    phase: str = "prefill"      # prefill -> decode -> kept (or freed)
+
+
+class Engine:
+    """See the module docstring. `model`: a CausalLM (its `mesh` decides the layout); `eos_ids`: the
+    default stop tokens; `detokenize`: ids -> text, needed for stop strings."""
+
+    def __init__(self, model, *, max_slots: int = 8, max_len: int | None = None,
+                 chunk_sizes: Sequence[int] = DEFAULT_CHUNKS, steps_per_call: int = 8, speculative: bool = False,
+                 eos_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
+                 max_stop_ids: int = 8):
+        cfg = model.cfg
+        limit = cfg.rope.max_position_embeddings
+        max_len = limit if max_len is None else max_len
+        if max_slots <= 0 or steps_per_call <= 0 or max_stop_ids <= 0:
+            raise GenerationError("max_slots, steps_per_call and max_stop_ids must be > 0")
+        if not 1 < max_len <= limit:
+            raise GenerationError(f"max_len={max_len} must be in [2, rope.max_position_embeddings={limit}]")
+        if speculative and model.mtp is None:
+            raise GenerationError("speculative decoding drafts with the MTP depths, and this model has none "
+                                  "(mtp.num_layers=0)")
+        if not chunk_sizes or min(chunk_sizes) <= 0:
+            raise GenerationError(f"chunk_sizes must be positive, got {tuple(chunk_sizes)}")
+        self.cfg, self.max_slots, self.max_len, self.steps = cfg, max_slots, max_len, steps_per_call
+        self.chunks = sorted({min(c, max_len) for c in chunk_sizes})
+        self.speculative, self.detokenize, self.max_stop_ids = speculative, detokenize, max_stop_ids
+        self.eos_ids = self._check_ids(tuple(eos_ids), "eos_ids")
+        self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
+        self.graphdef, self.state = self._place(model)
+        self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        shapes = cache_shapes(cfg, max_slots, max_len, speculative)
+        out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
+        with self._traced_on():
+            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+                                 out_shardings=out)()
+        self.slots: list[_Slot | None] = [None] * max_slots
+        self.queue: collections.deque = collections.deque()
+        self.kept: dict[int, int] = {}          # request id -> its kept slot
+        self.version = 0
+        self.compiled: list[str] = []
+        self.stats = collections.Counter()
+        self._next_id = 0
+
+    # ------------------------------------------------------------------------------------------
+    # placement
+
+    def _place(self, model):
+        graphdef, state = nnx.split(model)
+        if self.dual is None:
+            return graphdef, state
+        twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
+        return nnx.split(twin)
+
+    def _traced_on(self):
+        """The context the programs trace in: the dense mesh as JAX's context mesh (Explicit axes)."""
+        return contextlib.nullcontext() if self.dual is None else self.dual
+
+    def _batch_sharding(self, shape, slots_second: bool = False):
+        """Placement of an inference array whose slot dim is the first (or, for latents, the second)."""
+        return None if self.dual is None else inference_batch_sharding(self.dual, tuple(shape), int(slots_second))
+
+    def _put(self, tree):
+        """Host arrays with a leading slot dim -> device (split like the slots)."""
+        if self.dual is None:
+            return tree
+        return jax.tree.map(lambda x: jax.device_put(x, self._batch_sharding(np.shape(x))), tree)
+
+    # ------------------------------------------------------------------------------------------
+    # requests
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> tuple[int, ...]:
+        ids = tuple(int(i) for i in ids)
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise GenerationError(f"{what}: token id {bad[0]} is out of the vocabulary [0, {self.cfg.vocab_size})")
+        return ids
+
+    def submit(self, prompt: Sequence[int], *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               stop_tokens: Sequence[int] | None = None, stop_strings: Sequence[str] = (), keep: bool = False,
+               continue_from: int | None = None) -> int:
+        """Queue a request; returns its id. `stop_tokens` None: the engine's `eos_ids`. `keep`: hold the
+        slot after it finishes for a `continue_from` request, which appends `prompt` (e.g. a tool's
+        output, may be empty) to the kept history and generates after it."""
+        prompt = list(self._check_ids(np.asarray(prompt, np.int64).reshape(-1).tolist(), "prompt"))
+        if max_new_tokens <= 0:
+            raise GenerationError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        stops = self.eos_ids if stop_tokens is None else self._check_ids(stop_tokens, "stop_tokens")
+        if len(stops) > self.max_stop_ids:
+            raise GenerationError(f"{len(stops)} stop tokens, more than max_stop_ids={self.max_stop_ids}")
+        if stop_strings and self.detokenize is None:
+            raise GenerationError("stop_strings need the engine's `detokenize` (a tokenizer)")
+        history: list[int] = []
+        if continue_from is not None:
+            if continue_from not in self.kept:
+                raise GenerationError(f"request {continue_from} is not a finished request kept with keep=True")
+            history = list(self.slots[self.kept[continue_from]].history)
+        elif not prompt:
+            raise GenerationError("prompt is empty")
+        total = len(history) + len(prompt)
+        room = self.max_len - total
+        if room <= 0:
+            raise GenerationError(f"prompt of {total} tokens{' (with the kept history)' * bool(history)} does not "
+                                  f"fit the cache: max_len={self.max_len} leaves no room for a new token")
+        request_id = self._next_id
+        self._next_id += 1
+        slot = _Slot(Completion(request_id, prompt), history + prompt, 0, [], min(max_new_tokens, room), sampling,
+                     stops, tuple(stop_strings), keep)
+        if continue_from is not None:
+            index = self.kept.pop(continue_from)
+            previous = self.slots[index]
+            slot.cached, slot.todo = previous.cached, slot.history[previous.cached:]
+            self.slots[index] = slot
+        else:
+            slot.todo = list(prompt)
+            self.queue.append(slot)
+        return request_id
+
+    def release(self, request_id: int) -> None:
+        """Free the slot a finished `keep=True` request holds."""
+        if request_id in self.kept:
+            self.slots[self.kept.pop(request_id)] = None
+
+    @property
+    def idle(self) -> bool:
+        """No queued request and no slot prefilling or decoding."""
+        return not self.queue and all(s is None or s.phase == "kept" for s in self.slots)
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def update_weights(self, weights, version: int) -> None:
+        """Swap in new parameters (a CausalLM or its nnx.State, any placement) of the same structure,
+        shapes and dtypes; the compiled programs are reused. Tokens produced from now on record `version`."""
+        state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
+        have = jax.tree_util.tree_flatten_with_path(self.state)[0]
+        got, treedef = jax.tree_util.tree_flatten_with_path(state)
+        if treedef != jax.tree.structure(self.state):
+            missing = {path_str(p) for p, _ in have} - {path_str(p) for p, _ in got}
+            raise GenerationError("update_weights: the weights' structure differs from the engine's model"
+                                  + (f" (no '{sorted(missing)[0]}')" if missing else ""))
+        for (path, old), (_, new) in zip(have, got):
+            if (tuple(new.shape), np.dtype(new.dtype)) != (tuple(old.shape), np.dtype(old.dtype)):
+                raise GenerationError(f"update_weights: '{path_str(path)}' is {np.dtype(new.dtype)}{list(new.shape)}, "
+                                      f"the engine's is {np.dtype(old.dtype)}{list(old.shape)}")
+        self.state = jax.device_put(state, self._shardings)
+        self.version = version
+
+    # ------------------------------------------------------------------------------------------
+    # running
+
+    def _call(self, name: str, program, *args):
+        before, start = sum(programs.TRACES.values()), time.perf_counter()
+        with self._traced_on():
+            out = program(*args)
+        if sum(programs.TRACES.values()) > before:
+            self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
+            shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps}"
+            what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
+            self.compiled.append(what)
+            log.info("compiled %s in %.1f s (%d programs)", what, time.perf_counter() - start, len(self.compiled))
+        return out
+
+    def _sampling(self) -> SlotSampling:
+        return SlotSampling.of([s.sampling if s is not None else SamplingParams() for s in self.slots])
+
+    def _admit(self) -> None:
+        for i, slot in enumerate(self.slots):
+            if slot is None and self.queue:
+                self.slots[i] = self.queue.popleft()
+
+    def _emit(self, slot: _Slot, tokens, logprobs, behaviour) -> list[int]:
+        """Append tokens (host ints/floats) to the slot's request."""
+        c = slot.completion
+        c.tokens += tokens
+        c.logprobs += logprobs
+        c.behaviour_logprobs += behaviour
+        c.versions += [self.version] * len(tokens)
+        slot.history += tokens
+        slot.budget -= len(tokens)
+        return tokens
+
+    def _finish(self, index: int, reason: str) -> Completion:
+        slot = self.slots[index]
+        slot.completion.finish_reason = reason
+        if slot.keep:
+            slot.phase = "kept"
+            self.kept[slot.completion.request_id] = index
+        else:
+            self.slots[index] = None
+        return slot.completion
+
+    def _stop_string_cut(self, slot: _Slot, first_new: int) -> int | None:
+        """The number of generated tokens up to the one that completes a stop string (None: no stop)."""
+        tokens = slot.completion.tokens
+        if not slot.stop_strings or not any(s in self.detokenize(tokens) for s in slot.stop_strings):
+            return None
+        for k in range(first_new + 1, len(tokens) + 1):
+            if any(s in self.detokenize(tokens[:k]) for s in slot.stop_strings):
+                return k
+        return None
+
+    def _settle(self, index: int, first_new: int, device_done: bool) -> Completion | None:
+        """Finish the slot if its new tokens (from `first_new` on) end it."""
+        slot = self.slots[index]
+        cut = self._stop_string_cut(slot, first_new)
+        if cut is not None:
+            c, extra = slot.completion, len(slot.completion.tokens) - cut
+            if extra:
+                del c.tokens[cut:], c.logprobs[cut:], c.behaviour_logprobs[cut:], c.versions[cut:]
+                del slot.history[-extra:]
+            slot.cached = min(slot.cached, len(slot.history) - 1)  # rolled back: later positions are invalid
+            return self._finish(index, "stop_string")
+        if device_done or slot.budget <= 0 or slot.history[-1] in slot.stop_ids:
+            return self._finish(index, "stop" if slot.history[-1] in slot.stop_ids else "length")
+        return None
+
+    def _prefill_step(self, updates: list[Update]) -> None:
+        reading = [i for i, s in enumerate(self.slots) if s is not None and s.phase == "prefill"]
+        if not reading:
+            return
+        need = max(len(self.slots[i].todo) for i in reading)
+        width = next((c for c in self.chunks if c >= need), self.chunks[-1])
+        n = self.max_slots
+        tokens, n_valid = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
+        lookahead, finishing = np.zeros(n, np.int32), np.zeros(n, bool)
+        lengths = np.array([s.cached if s is not None else 0 for s in self.slots], np.int32)
+        for i in reading:
+            todo = self.slots[i].todo
+            take = todo[:width]
+            tokens[i, :len(take)], n_valid[i] = take, len(take)
+            finishing[i] = len(todo) <= width
+            lookahead[i] = todo[width] if not finishing[i] else 0
+        start = time.perf_counter()
+        args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
+        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args)
+        first = jax.device_get(first)
+        self.stats["prefill_s"] += time.perf_counter() - start
+        self.stats["prefill_tokens"] += int(n_valid.sum())
+        for i in reading:
+            slot = self.slots[i]
+            slot.cached += int(n_valid[i])
+            slot.todo = slot.todo[int(n_valid[i]):]
+            if finishing[i]:
+                slot.phase = "decode"
+                new = self._emit(slot, [int(first.token[i])], [float(first.logprob[i])], [float(first.behaviour[i])])
+                done = self._settle(i, len(slot.completion.tokens) - 1, False)
+                updates.append(Update(slot.completion.request_id, new, done))
+
+    def _decode_step(self, updates: list[Update]) -> None:
+        decoding = [i for i, s in enumerate(self.slots) if s is not None and s.phase == "decode"]
+        if not decoding:
+            return
+        n = self.max_slots
+        live = lambda f, default: [f(s) if i in decoding else default for i, s in enumerate(self.slots)]  # noqa: E731
+        stop_ids = np.full((n, self.max_stop_ids), -1, np.int32)
+        for i in decoding:
+            stop_ids[i, :len(self.slots[i].stop_ids)] = self.slots[i].stop_ids
+        slots = Slots(np.array(live(lambda s: s.cached, 0), np.int32), np.array(live(lambda s: s.history[-1], 0), np.int32),
+                      np.array(live(lambda s: True, False)), np.array(live(lambda s: s.budget, 0), np.int32),
+                      stop_ids, self._sampling())
+        start = time.perf_counter()
+        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self.state, self.cache,
+                                                    self._put(slots), self.steps)
+        emitted, active = jax.device_get((emitted, out_slots.active))
+        self.stats["decode_s"] += time.perf_counter() - start
+        self.stats["drafted"] += int(emitted.drafted.sum())
+        self.stats["accepted"] += int(emitted.accepted.sum())
+        self.stats["decode_steps"] += int((emitted.count.sum(axis=1) > 0).sum())
+        for i in decoding:
+            slot = self.slots[i]
+            counts = emitted.count[:, i]
+            picks = [(k, j) for k in range(counts.size) for j in range(counts[k])]
+            first_new = len(slot.completion.tokens)
+            new = self._emit(slot, [int(emitted.tokens[k, i, j]) for k, j in picks],
+                             [float(emitted.logprob[k, i, j]) for k, j in picks],
+                             [float(emitted.behaviour[k, i, j]) for k, j in picks])
+            slot.cached += len(new)
+            self.stats["decode_tokens"] += len(new)
+            done = self._settle(i, first_new, not active[i])
+            updates.append(Update(slot.completion.request_id, slot.completion.tokens[first_new:] if done else new, done))
+
+    def step(self) -> list[Update]:
+        """Admit queued requests, run one prefill chunk and one decode call; returns what they produced."""
+        self._admit()
+        updates: list[Update] = []
+        self._prefill_step(updates)
+        self._decode_step(updates)
+        return updates
+
+    def run(self) -> dict[int, Completion]:
+        """Step until every queued and running request has finished; returns the completions by id."""
+        done = {}
+        while not self.idle:
+            for update in self.step():
+                if update.finished is not None:
+                    done[update.request_id] = update.finished
+        return done
+
+    @property
+    def acceptance(self) -> dict[str, float]:
+        """Speculative statistics so far: acceptance rate (accepted / drafted) and mean accepted length
+        (tokens emitted per decode step and slot)."""
+        s = self.stats
+        return {"acceptance_rate": s["accepted"] / max(s["drafted"], 1),
+                "mean_accepted_length": (s["drafted"] + s["accepted"]) / max(s["drafted"], 1)}

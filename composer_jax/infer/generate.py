@@ -1,0 +1,87 @@
+"""`generate(model, prompts, ...)`: a batch of prompts through a fresh engine, in prompt order."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from composer_jax.infer.engine import DEFAULT_CHUNKS, Engine, GenerationError
+from composer_jax.infer.sampling import SamplingParams
+
+CACHE_ROUNDING = 64  # cache lengths are rounded up to a multiple of this, so calls share compiled programs
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    """Per prompt (in order): the new ids up to and including a stop token, their raw log-probs, their
+    log-probs under the sampling distribution and why each stopped; plus the run's statistics: new
+    tokens per second of wall time (compilation excluded), the programs compiled, and the speculative
+    acceptance rate and mean accepted length (None without speculative decoding)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    behaviour_logprobs: list[list[float]]
+    finish_reasons: list[str]
+    tokens_per_second: float
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    compiled: list[str] = dataclasses.field(default_factory=list)
+
+
+def default_max_len(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Cache positions per slot for these prompts: the longest plus max_new_tokens, rounded up to a
+    multiple of CACHE_ROUNDING, at most the model's positions (rope.max_position_embeddings)."""
+    limit = cfg.rope.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    if longest >= limit:
+        raise GenerationError(f"a prompt of {longest} tokens does not fit the model's {limit} positions "
+                              "(rope.max_position_embeddings)")
+    return min(limit, -(-(longest + max_new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING)
+
+
+def request_seeds(seed: int | Sequence[int], count: int) -> list[int]:
+    """Per-request seeds: `seed + i` for request i, or the given list (one per request)."""
+    seeds = [(seed + i) % 2**32 for i in range(count)] if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != count:
+        raise GenerationError(f"{len(seeds)} seeds for {count} prompts")
+    return seeds
+
+
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
+             stop_tokens: Sequence[int] | None = None, speculative: bool = False,
+             stop_strings: Sequence[str] = (), detokenize: Callable[[list[int]], str] | None = None,
+             max_slots: int | None = None, max_len: int | None = None, steps_per_call: int = 16,
+             chunk_sizes: Sequence[int] = DEFAULT_CHUNKS) -> GenerateResult:
+    """Generate for token-id prompts of any lengths.
+
+    temperature 0 is greedy. seed: one int (request i uses seed + i) or one per prompt; a request's
+    tokens depend only on its own seed, prompt and settings. stop_tokens None: the model's EOS ids
+    (`model.eos_token_ids`, read from the checkpoint), if any. speculative: MTP speculative decoding
+    (same greedy output, same sampling distribution). max_slots (default: up to 16 prompts at once),
+    max_len (default: the longest prompt plus max_new_tokens, rounded up) size the engine.
+    """
+    prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise GenerationError("no prompts given")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise GenerationError(f"prompt {i} is empty")
+    seeds = request_seeds(seed, len(prompts))
+    engine = Engine(model, max_slots=max_slots or min(len(prompts), 16),
+                    max_len=max_len or default_max_len(model.cfg, prompts, max_new_tokens),
+                    chunk_sizes=chunk_sizes, steps_per_call=steps_per_call, speculative=speculative,
+                    eos_ids=getattr(model, "eos_token_ids", ()), detokenize=detokenize)
+    ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, stop_strings=stop_strings,
+                         sampling=SamplingParams(temperature, top_p, top_k, s))
+           for p, s in zip(prompts, seeds)]
+    start = time.perf_counter()
+    done = engine.run()
+    wall = time.perf_counter() - start
+    outs = [done[i] for i in ids]
+    stats = engine.acceptance if speculative else {}
+    return GenerateResult([c.tokens for c in outs], [c.logprobs for c in outs], [c.behaviour_logprobs for c in outs],
+                          [c.finish_reason for c in outs],
+                          sum(len(c.tokens) for c in outs) / max(wall - engine.stats["compile_s"], 1e-9),
+                          stats.get("acceptance_rate"), stats.get("mean_accepted_length"), list(engine.compiled))

@@ -1,0 +1,52 @@
+"""`composer-jax generate RUN_DIR`: a training run's latest checkpoint and tokenizer (byte-level here),
+streamed as text."""
+
+import jax
+import pytest
+
+from composer_jax import cli
+from composer_jax.config import MeshConfig
+from composer_jax.data.tokenizer import ByteTokenizer
+from composer_jax.infer import generate
+from composer_jax.model_dirs import open_model
+from composer_jax.parallel import DualMesh
+from composer_jax.train.checkpoints import RunCheckpoints
+from composer_jax.train.config import load_run_config, to_dict
+from composer_jax.train.state import StateLayout, split_model
+from tests.random_models import random_model
+
+PROMPT = "def add(a, b):\n    "
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory with one checkpoint of a pretraining state with random weights (one device)."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = load_run_config("pretrain-tiny", [f"run_dir={run}"])
+    layout = StateLayout(cfg, DualMesh(MeshConfig(), jax.devices()[:1], model=cfg.model))
+    _, params, biases, _ = split_model(random_model(cfg.model, 4))
+    checkpoints = RunCheckpoints(run / "checkpoints", cfg.checkpoint)
+    placed = jax.device_put((params, biases), (layout.shardings.params, layout.shardings.biases))
+    checkpoints.save(3, layout.from_params(*placed), {}, to_dict(cfg))
+    checkpoints.close()
+    return run
+
+
+def test_generate_streams_a_runs_text(run_dir, capsys):
+    argv = ["generate", str(run_dir), "--prompt", PROMPT, "temperature=0", "max_new_tokens=12", "max_slots=1",
+            "steps_per_call=16"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    opened = open_model(run_dir)
+    assert opened.description == f"training run {run_dir}, step 3" and opened.eos_ids == ()
+    want = generate(opened.model, [list(ByteTokenizer().encode(PROMPT))], max_new_tokens=12, temperature=0.0)
+    assert len(want.tokens[0]) == 12
+    assert out == ByteTokenizer().decode(want.tokens[0]).rstrip("\ufffd") + "\n"
+    assert f"training run {run_dir}, step 3" in err and "generated 12 tokens" in err
+
+
+def test_run_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir()
+    assert cli.main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"composer-jax generate: error: {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}"
