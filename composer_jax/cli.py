@@ -570,12 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _subcommand_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
     """The parser of the (sub)command that `args` ran, for usage errors that show its own usage."""
-    for name in ("command", "tasks_command", "config_command", "eval_command"):
+    while True:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if sub is None or getattr(args, name, None) not in sub.choices:
-            break
-        parser = sub.choices[getattr(args, name)]
-    return parser
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
 
 
 def _with_default_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

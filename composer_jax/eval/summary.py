@@ -31,7 +31,8 @@ def build_summary(agent: str, records: Sequence[Mapping], *, level: float = DEFA
     per_task = {t: {"solved": int(c), "attempts": table.samples, "mean_reward": float(m)}
                 for t, c, m in zip(table.tasks, table.solved, table.num["mean_reward"])}
     seconds = [r["wall_s"] for r in records]
-    timing = {"attempt_seconds_total": round(sum(seconds), 3), "attempt_seconds_mean": round(sum(seconds) / len(seconds), 3)}
+    timing = {"attempt_seconds_total": round(sum(seconds), 3),
+              "attempt_seconds_mean": round(sum(seconds) / len(seconds), 3)}
     return Summary(agent, len(table.tasks), table.samples, level,
                    summarize(table, level=level, resamples=resamples, seed=seed), per_task, timing)
 
