@@ -84,11 +84,9 @@ class ScriptedAgent:
     malformed call). Token ids are bytes (a byte tokenizer). Deterministic, thread-safe.
     """
 
-    settings: dict = {}
-
     def __init__(self, path: str | Path):
         path = Path(path)
-        self.name = f"{SCRIPTED}{path}"
+        self.name, self.settings = f"{SCRIPTED}{path}", {}
         where = f"scripted agent file {path}"
         try:
             spec = json.loads(path.read_text(encoding="utf-8"))

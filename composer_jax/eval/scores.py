@@ -49,7 +49,7 @@ class ScoreDef:
 
 
 def score_defs(samples: int) -> list[ScoreDef]:
-    return ([ScoreDef(f"pass@{k}", 1, f"share of tasks solved within {k} attempts (unbiased estimator)")
+    return ([ScoreDef(f"pass@{k}", 1, f"share of tasks solved within {k} attempt{'s' * (k > 1)} (unbiased estimator)")
              for k in k_values(samples)] + [
         ScoreDef("mean_reward", 1, "task reward (share of target tests passing), mean over tasks"),
         ScoreDef("tokens_per_solved", -1, "generated tokens per solved attempt"),
