@@ -346,10 +346,13 @@ def _run_config_keys(args) -> int:
     return 0
 
 
-def _command_group(sub, name: str, help_text: str):
-    """A command with subcommands (`composer-jax NAME COMMAND ...`); returns their subparsers."""
-    return sub.add_parser(name, help=help_text).add_subparsers(dest=f"{name}_command", required=True,
-                                                              metavar="command")
+def _command_group(sub, name: str, help_text: str, default: str | None = None):
+    """A command with subcommands (`composer-jax NAME COMMAND ...`); returns their subparsers. `default`:
+    the subcommand that runs when the first argument names none."""
+    group = sub.add_parser(name, help=help_text).add_subparsers(dest=f"{name}_command", required=True,
+                                                               metavar="command")
+    group.default_command = default   # read by _with_default_subcommand
+    return group
 
 
 def _add_config(sub) -> None:
@@ -623,6 +626,86 @@ def _add_generate(sub) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
+# eval / eval compare
+
+
+def _run_eval(args) -> int:
+    from composer_jax.eval import EvalConfig, EvalError, evaluate, load_agent, load_task_set, summary_table
+    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError
+
+    out = args.out or f"eval-{_slug(args.model)}-{_slug(args.tasks_dir)}"
+    try:
+        config = EvalConfig(samples=args.samples, max_turns=args.max_turns, workers=args.workers, seed=args.seed)
+        tasks = load_task_set(args.tasks_dir)
+        agent = load_agent(args.model, temperature=args.temperature)
+        summary = evaluate(agent, tasks, out, config, sandbox=Sandbox(args.backend),
+                           log=None if args.quiet else lambda line: print(line, file=sys.stderr))
+    except (EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax eval: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary_table(summary))
+    print(f"run directory: {out} (attempts.jsonl, summary.json, transcripts/)")
+    return 0
+
+
+def _slug(path: str) -> str:
+    """A directory-name-safe label of a MODEL or TASKS_DIR argument."""
+    name = os.path.basename(os.path.normpath(path.split(":", 1)[-1])) or "run"
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _run_eval_compare(args) -> int:
+    from composer_jax.eval import EvalError, compare_runs, comparison_plot, comparison_table
+
+    try:
+        comparison = compare_runs(args.run_a, args.run_b)
+    except EvalError as e:
+        print(f"composer-jax eval compare: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(comparison_table(comparison))
+    png = args.png or os.path.join(args.run_b, f"compare_{_slug(args.run_a)}.png")
+    print(f"plot: {comparison_plot(comparison, png)}")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    eval_sub = _command_group(sub, "eval", "run an agent on a task set (pass@k, efficiency, lint); compare two runs",
+                              default="run")
+    r = eval_sub.add_parser("run", help="run an agent K times per task and score it (the default: `composer-jax "
+                                        "eval MODEL TASKS_DIR`)",
+                            description="Run the agent MODEL K times on every task of TASKS_DIR in the coding "
+                                        "environment (commands in the sandbox), writing OUT/attempts.jsonl (one line "
+                                        "per attempt), OUT/transcripts/ and OUT/summary.json: pass@k (unbiased), "
+                                        "mean reward, tokens and turns per solved attempt, tool-error rate and lint "
+                                        "findings added, with bootstrap confidence intervals over tasks. Resumable: "
+                                        "the same command again skips the attempts already recorded.")
+    r.add_argument("model", metavar="MODEL", help="the agent: scripted:PATH (a JSON file of per-task tool-call "
+                                                  "scripts; engine-backed models are not wired in yet)")
+    r.add_argument("tasks_dir", metavar="TASKS_DIR", help="a directory of task directories (or one task directory)")
+    r.add_argument("--samples", type=int, default=1, metavar="K", help="attempts per task (default 1)")
+    r.add_argument("--max-turns", type=int, default=30, metavar="T", help="assistant turns per attempt (default 30)")
+    r.add_argument("--temperature", type=float, default=None, metavar="X",
+                   help="sampling temperature (default: the agent's)")
+    r.add_argument("--workers", type=int, default=1, metavar="N", help="attempts at once (default 1)")
+    r.add_argument("--seed", type=int, default=0, help="attempt seeds derive from it (default 0)")
+    r.add_argument("--out", default=None, metavar="DIR", help="run directory (default: eval-MODEL-TASKS in the "
+                                                              "current directory)")
+    r.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED (default bwrap)")
+    r.add_argument("--quiet", action="store_true", help="no line per finished attempt on stderr")
+    r.set_defaults(run=_run_eval)
+    c = eval_sub.add_parser("compare", help="paired difference of two runs per score, flipped tasks, a PNG",
+                            description="Compare two evaluation run directories on the tasks both ran: per score, "
+                                        "B - A with a paired bootstrap 95%% interval over tasks, and the tasks solved "
+                                        "by only one of them; prints a table and writes a PNG.")
+    c.add_argument("run_a", metavar="RUN_A")
+    c.add_argument("run_b", metavar="RUN_B")
+    c.add_argument("--png", default=None, help="where to write the plot (default: RUN_B/compare_<RUN_A name>.png)")
+    c.set_defaults(run=_run_eval_compare)
+
+
+# ----------------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -638,22 +721,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_tasks(sub)
     _add_generate(sub)
+    _add_eval(sub)
     return parser
 
 
 def _subcommand_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
     """The parser of the (sub)command that `args` ran, for usage errors that show its own usage."""
-    for name in ("command", "tasks_command", "config_command"):
+    while True:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if sub is None or getattr(args, name, None) not in sub.choices:
-            break
-        parser = sub.choices[getattr(args, name)]
-    return parser
+        if sub is None or getattr(args, sub.dest, None) not in sub.choices:
+            return parser
+        parser = sub.choices[getattr(args, sub.dest)]
+
+
+def _with_default_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`eval MODEL ...` -> `eval run MODEL ...`: when a command group's first argument names none of its
+    subcommands (and is no option), its default subcommand runs."""
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if len(argv) < 2 or argv[0] not in commands.choices:
+        return argv
+    group = next((a for a in commands.choices[argv[0]]._actions if isinstance(a, argparse._SubParsersAction)), None)
+    default = getattr(group, "default_command", None)
+    if default is None or argv[1] in group.choices or argv[1].startswith("-"):
+        return argv
+    return [argv[0], default, *argv[1:]]
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
+    argv = _with_default_subcommand(parser, argv)
     args, extra = parser.parse_known_args(argv)
     args.argv = argv
     # Overrides given after an option land in `extra`; anything else there is a genuine usage error.

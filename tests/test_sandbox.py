@@ -186,6 +186,21 @@ def test_pool_runs_sandboxes_concurrently(sandbox, workspace):
     assert time.monotonic() - start < 3.5   # four 1 s sleeps at once, not one after another
 
 
+def test_pool_stops_starting_items_after_a_failure():
+    started = []
+
+    def work(i):
+        started.append(i)
+        if i == 1:
+            raise RuntimeError("item 1 failed")
+        time.sleep(0.05)
+
+    with pytest.raises(RuntimeError, match="item 1 failed"):
+        run_parallel(work, range(50), workers=2)
+    time.sleep(0.2)
+    assert 2 <= len(started) < 10     # the items in flight finished; the rest never started
+
+
 def test_bad_requests_and_missing_isolation_are_clear_errors(sandbox, workspace, tmp_path, monkeypatch):
     with pytest.raises(SandboxError, match="memory_bytes"):
         Limits(memory_bytes=0)

@@ -6,9 +6,11 @@
 
 A turn's tool calls are carried out in order (up to `submit`); parse errors become error results. The
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
-(restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted. An
-episode abandoned before its end keeps its workspace until `close()`, the next `reset()`, or the end of
-a `with CodingEnv(...) as env:` block.
+(restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted (after
+`inspect(task, workspace)`, when given, has looked at it: what it returns is `info["inspection"]`, e.g.
+lint findings of the agent's changes, composer_jax.eval.lint). An episode abandoned before its end
+keeps its workspace until `close()`, the next `reset()`, or the end of a `with CodingEnv(...) as env:`
+block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import hashlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_FAILURE, TEST_FILE_EDIT, Flag, HintContext,
@@ -47,8 +50,9 @@ class CodingEnvConfig:
 class CodingEnv:
     tools = TOOLS
 
-    def __init__(self, sandbox: Sandbox, fmt: ToolFormat, config: CodingEnvConfig = CodingEnvConfig()):
-        self.sandbox, self.fmt, self.config = sandbox, fmt, config
+    def __init__(self, sandbox: Sandbox, fmt: ToolFormat, config: CodingEnvConfig = CodingEnvConfig(), *,
+                 inspect: Callable[[Task, Path], dict] | None = None):
+        self.sandbox, self.fmt, self.config, self.inspect = sandbox, fmt, config, inspect
         self._tmp: Path | None = None
         self.done = True
 
@@ -66,7 +70,9 @@ class CodingEnv:
                                      run_limits=limits)
         self.task, self.turn, self.done = task, 0, False
         self._failed: set[str] = set()
-        self.stats = {"tool_calls": 0, "failed_calls": 0, "malformed_turns": 0}
+        # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;
+        # failed_calls: those plus the valid calls that failed when carried out
+        self.stats = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
         return [self.fmt.tools_message(TOOLS), {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task.instruction}]
 
@@ -93,6 +99,7 @@ class CodingEnv:
             observation.append({"role": "tool", "name": error.call_id, "content": f"error: {error.message}"})
         if parsed.errors:
             self.stats["malformed_turns"] += 1
+            self.stats["invalid_calls"] += len(parsed.errors)
         submitted = False
         for call in parsed.calls:
             self.stats["tool_calls"] += 1
@@ -121,6 +128,8 @@ class CodingEnv:
         if self.done:
             check = check_task(self.task, self.sandbox, workspace=self.workspace)
             info.update(task_reward=check.reward, check=check.to_json(), **self.stats, turns=self.turn)
+            if self.inspect is not None:
+                info["inspection"] = self.inspect(self.task, self.workspace)
             self.close()
         return observation, self.done, info
 

@@ -87,5 +87,6 @@ class ToyEnv:
             flags.append(Flag(NO_ACTION, "no answer"))
         reward = float(answer is not None and answer.strip() == self.task.answer)
         return [], True, {"turn": 1, "flags": flags, "task_reward": reward, "turns": 1,
-                          "tool_calls": int(self.use_tool and answer is not None), "failed_calls": failed,
+                          "tool_calls": int(self.use_tool and answer is not None), "invalid_calls": failed,
+                          "failed_calls": failed,
                           "malformed_turns": int(bool(failed))}

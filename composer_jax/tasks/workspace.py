@@ -64,7 +64,9 @@ def is_test_file(relpath: str, extra: set[str] = frozenset()) -> bool:
             or any(fnmatch.fnmatch(p.name, pat) for pat in TEST_FILE_PATTERNS + RUNNER_FILES))
 
 
-def _files(root: Path) -> set[str]:
+def repo_files(root: Path) -> set[str]:
+    """Repo-relative paths of the files (symlinks included, not followed) under root, outside
+    history and cache directories."""
     out = set()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in NEVER_COPIED]
@@ -73,7 +75,8 @@ def _files(root: Path) -> set[str]:
     return out
 
 
-def _same(src: Path, dst: Path) -> bool:
+def same_file(src: Path, dst: Path) -> bool:
+    """Does dst hold what src holds (the same bytes, or a symlink to the same target)? src must exist."""
     if src.is_symlink() or dst.is_symlink():
         return src.is_symlink() and dst.is_symlink() and os.readlink(src) == os.readlink(dst)
     return dst.is_file() and dst.read_bytes() == src.read_bytes()
@@ -95,14 +98,14 @@ def restore_tests(original: Path, workspace: Path, extra: set[str] = frozenset()
     removing additions). `extra`: more repo-relative paths to treat as tests. Returns the paths that
     differed."""
     changed = []
-    wanted = {p for p in _files(original) if is_test_file(p, extra)}
-    for rel in sorted({p for p in _files(workspace) if is_test_file(p, extra)} - wanted):
+    wanted = {p for p in repo_files(original) if is_test_file(p, extra)}
+    for rel in sorted({p for p in repo_files(workspace) if is_test_file(p, extra)} - wanted):
         (workspace / rel).unlink()
         changed.append(rel)
     for rel in sorted(wanted):
         src, dst = original / rel, workspace / rel
         _real_parents(workspace, rel)
-        if _same(src, dst):
+        if same_file(src, dst):
             continue
         if dst.is_dir() and not dst.is_symlink():
             shutil.rmtree(dst)

@@ -1,0 +1,64 @@
+"""One attempt: an agent plays one episode of a task, token-in token-out; its record and transcript.
+
+The episode is a composer_jax.envs.TokenEpisode: the agent's ids go in as generated, observations are
+encoded once, and the history is never re-tokenized. The transcript keeps those ids with each turn's
+span, flags and decoded text, the grading and, for coding tasks, the agent's diff and lint findings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from composer_jax.envs import TokenEpisode
+from composer_jax.eval.agent import Agent, TurnRequest
+from composer_jax.eval.store import AttemptRecord, transcript_path, write_json
+
+
+def attempt_seed(seed: int, task: str, sample: int) -> int:
+    """The attempt's sampling seed: a function of the run seed, the task and the sample only (not of
+    which worker runs it, or when)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{sample}".encode()).digest()[:4], "little")
+
+
+def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: AttemptRecord) -> dict:
+    decode = agent.tokenizer.decode
+    return {
+        "task": record.task, "sample": record.sample, "seed": record.seed, "agent": agent.name,
+        "reward": record.reward, "status": record.status,
+        "turns": [{"start": t.start, "end": t.end, "text": decode(episode.tokens[t.start:t.end]),
+                   "flags": [f.to_json() for f in t.flags], "hint": t.hint} for t in episode.turns],
+        "check": info.get("check"), "inspection": info.get("inspection"),
+        "text": decode(episode.tokens), "tokens": list(episode.tokens),
+    }
+
+
+def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) -> AttemptRecord:
+    """Play `task` once with `agent` in `env` (CodingEnv or ToyEnv, speaking agent.fmt); write the
+    transcript under run_dir and return the attempt's record (not yet appended)."""
+    start = time.monotonic()
+    key = f"{task.id}/{sample}"
+    episode = TokenEpisode(env, agent.tokenizer)
+    try:
+        new = episode.start(task).tolist()
+        while not episode.done:
+            turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
+            new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+    finally:
+        agent.end_episode(key)
+        if hasattr(env, "close"):   # a CodingEnv left mid-episode (an error) deletes its workspace
+            env.close()
+    info = episode.info
+    reward = float(info["task_reward"])
+    lint = (info.get("inspection") or {}).get("lint")
+    record = AttemptRecord(
+        task=task.id, sample=sample, seed=seed, reward=reward, solved=reward == 1.0, turns=info["turns"],
+        generated_tokens=int(sum(episode.generated)), tool_calls=info["tool_calls"] + info["invalid_calls"],
+        tool_errors=info["failed_calls"], lint_added=None if lint is None else lint["added"],
+        status=(info.get("check") or {}).get("status", "ok"), wall_s=round(time.monotonic() - start, 3),
+        transcript=transcript_path(task.id, sample))
+    path = run_dir / record.transcript
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, _transcript(agent, episode, info, record), indent=None)
+    return record
