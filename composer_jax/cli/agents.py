@@ -1,0 +1,183 @@
+"""Agent commands: `tasks check|feature-deletion|list` and `eval run|compare`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from composer_jax.cli.common import EXIT_USAGE, command_group, positive_int, subcommand
+
+
+# tasks check
+
+
+def _run_tasks_check(args) -> int:
+    import time
+
+    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError, check_tasks, load_task, summary_line
+
+    start = time.monotonic()
+    try:
+        tasks = [load_task(d) for d in args.task_dirs]
+        results = check_tasks(tasks, Sandbox(args.backend), solution=args.solution, workers=args.workers)
+    except (TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks check: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    lines = [json.dumps(r.to_json()) for r in results]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+    else:
+        print("\n".join(lines))
+    print(summary_line(results, time.monotonic() - start))
+    return 0
+
+
+def _run_feature_deletion(args) -> int:
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable
+    from composer_jax.tasks.feature_deletion import (FeatureDeletionConfig, FeatureDeletionError, generate_tasks,
+                                                     summary)
+
+    try:
+        config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
+                                       test_command=args.test_command, timeout_s=args.timeout,
+                                       min_lines=args.min_lines, backend=args.backend)
+        report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
+    except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary(report))
+    print(f"report: {os.path.join(args.out_dir, 'report.json')}")
+    return 0
+
+
+def _run_tasks_list(args) -> int:
+    from composer_jax.tasks import TaskError
+    from composer_jax.tasks.listing import find_tasks, task_table
+
+    try:
+        print(task_table(find_tasks(args.out_dir)))
+    except TaskError as e:
+        print(f"composer-jax tasks list: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+def _add_tasks(sub) -> None:
+    tasks_sub = command_group(sub, "tasks", "coding tasks: generate, list and check (reward from sandboxed tests)")
+    c = subcommand(tasks_sub, "check", _run_tasks_check, "run each task's tests in the sandbox and report its reward",
+                   "Validate TASK_DIRs, run their test commands in the sandbox on copies of "
+                   "repo/ and print one JSON object per task (task, reward, passed, failed, "
+                   "status, seconds) and a summary line. Task directories are never modified.")
+    c.add_argument("task_dirs", nargs="+", metavar="TASK_DIR")
+    c.add_argument("--solution", action="store_true", help="apply solution.patch to the copy first")
+    c.add_argument("--json", default=None, metavar="OUT", help="write the JSON lines to OUT instead of stdout")
+    c.add_argument("--workers", type=positive_int, default=1, help="tasks checked at once (default 1)")
+    c.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    f = subcommand(tasks_sub, "feature-deletion", _run_feature_deletion,
+                   "make tasks from a repository by deleting tested features",
+                   "Run REPO_DIR's pytest suite in the sandbox with tracing, delete one "
+                   "function, method or class per task (the module still imports), keep the "
+                   "task if the tests that ran it now fail, the others still pass and "
+                   "solution.patch restores them; write OUT_DIR/<id>/{repo/, task.json, "
+                   "solution.patch} and OUT_DIR/report.json. REPO_DIR is only read.")
+    f.add_argument("repo_dir", metavar="REPO_DIR")
+    f.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
+    f.add_argument("--max-tasks", type=positive_int, default=20, help="stop after keeping this many (default 20)")
+    f.add_argument("--workers", type=positive_int, default=1, help="candidates checked at once (default 1)")
+    f.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
+    f.add_argument("--test-command", default=None,
+                   help="pytest command run from the repository root (default: python -m pytest -q without plugin "
+                        "autoload, PYTHONPATH=src for a src/ layout)")
+    f.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
+    f.add_argument("--min-lines", type=positive_int, default=3,
+                   help="lines of code a deletion must remove, at least (default 3)")
+    f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    t = subcommand(tasks_sub, "list", _run_tasks_list, "table of the tasks in a directory",
+                   "Print id, target tests, deleted lines and pass rate of every task "
+                   "directory under OUT_DIR.")
+    t.add_argument("out_dir", metavar="OUT_DIR")
+
+
+# eval / eval compare
+
+
+def _run_eval(args) -> int:
+    from composer_jax.eval import EvalConfig, EvalError, evaluate, load_agent, load_task_set, summary_table
+    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError
+
+    out = args.out or f"eval-{_slug(args.model)}-{_slug(args.tasks_dir)}"
+    try:
+        config = EvalConfig(samples=args.samples, max_turns=args.max_turns, workers=args.workers, seed=args.seed)
+        tasks = load_task_set(args.tasks_dir)
+        agent = load_agent(args.model, temperature=args.temperature)
+        summary = evaluate(agent, tasks, out, config, sandbox=Sandbox(args.backend),
+                           log=None if args.quiet else lambda line: print(line, file=sys.stderr))
+    except (EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax eval: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary_table(summary))
+    print(f"run directory: {out} (attempts.jsonl, summary.json, transcripts/)")
+    return 0
+
+
+def _slug(path: str) -> str:
+    """A directory-name-safe label of a MODEL or TASKS_DIR argument."""
+    name = os.path.basename(os.path.normpath(path.split(":", 1)[-1])) or "run"
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _run_eval_compare(args) -> int:
+    from composer_jax.eval import EvalError, compare_runs, comparison_plot, comparison_table
+
+    try:
+        comparison = compare_runs(args.run_a, args.run_b)
+    except EvalError as e:
+        print(f"composer-jax eval compare: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(comparison_table(comparison))
+    png = args.png or os.path.join(args.run_b, f"compare_{_slug(args.run_a)}.png")
+    print(f"plot: {comparison_plot(comparison, png)}")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    eval_sub = command_group(sub, "eval", "run an agent on a task set (pass@k, efficiency, lint); compare two runs",
+                              default="run")
+    r = subcommand(eval_sub, "run", _run_eval, "run an agent K times per task and score it (the default: `composer-jax "
+                   "eval MODEL TASKS_DIR`)",
+                   "Run the agent MODEL K times on every task of TASKS_DIR in the coding "
+                   "environment (commands in the sandbox), writing OUT/attempts.jsonl (one line "
+                   "per attempt), OUT/transcripts/ and OUT/summary.json: pass@k (unbiased), "
+                   "mean reward, tokens and turns per solved attempt, tool-error rate and lint "
+                   "findings added, with bootstrap confidence intervals over tasks. Resumable: "
+                   "the same command again skips the attempts already recorded.")
+    r.add_argument("model", metavar="MODEL", help="the agent: scripted:PATH (a JSON file of per-task tool-call "
+                                                  "scripts; engine-backed models are not wired in yet)")
+    r.add_argument("tasks_dir", metavar="TASKS_DIR", help="a directory of task directories (or one task directory)")
+    r.add_argument("--samples", type=int, default=1, metavar="K", help="attempts per task (default 1)")
+    r.add_argument("--max-turns", type=int, default=30, metavar="T", help="assistant turns per attempt (default 30)")
+    r.add_argument("--temperature", type=float, default=None, metavar="X",
+                   help="sampling temperature (default: the agent's)")
+    r.add_argument("--workers", type=int, default=1, metavar="N", help="attempts at once (default 1)")
+    r.add_argument("--seed", type=int, default=0, help="attempt seeds derive from it (default 0)")
+    r.add_argument("--out", default=None, metavar="DIR", help="run directory (default: eval-MODEL-TASKS in the "
+                                                              "current directory)")
+    r.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED (default bwrap)")
+    r.add_argument("--quiet", action="store_true", help="no line per finished attempt on stderr")
+    c = subcommand(eval_sub, "compare", _run_eval_compare,
+                   "paired difference of two runs per score, flipped tasks, a PNG",
+                   "Compare two evaluation run directories on the tasks both ran: per score, "
+                   "B - A with a paired bootstrap 95%% interval over tasks, and the tasks solved "
+                   "by only one of them; prints a table and writes a PNG.")
+    c.add_argument("run_a", metavar="RUN_A")
+    c.add_argument("run_b", metavar="RUN_B")
+    c.add_argument("--png", default=None, help="where to write the plot (default: RUN_B/compare_<RUN_A name>.png)")
+
+

@@ -1,0 +1,78 @@
+"""Helpers shared by the command modules: number formatting, argument types, logging, command groups."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+
+EXIT_USAGE = 2
+
+
+def human(n: float, units=("", "K", "M", "B", "T")) -> str:
+    """3 significant digits with a unit suffix: 1026408232448 -> '1.03T', 32861500928 -> '32.9B'."""
+    if n == 0:
+        return "0"
+    tier = min(int(math.log10(abs(n)) // 3), len(units) - 1)
+    x = n / 1000 ** tier
+    decimals = max(0, 2 - int(math.floor(math.log10(abs(x))))) if tier else 0
+    return f"{x:.{decimals}f}{units[tier]}"
+
+
+def human_flops(n: float) -> str:
+    return human(n, ("", "K", "M", "G", "T", "P", "E"))
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def command_group(sub, name: str, help_text: str, default: str | None = None):
+    """A command with subcommands (`composer-jax NAME COMMAND ...`); returns their subparsers. `default`:
+    the subcommand that runs when the first argument names none."""
+    group = sub.add_parser(name, help=help_text).add_subparsers(dest=f"{name}_command", required=True,
+                                                               metavar="command")
+    group.default_command = default   # read by _with_default_subcommand
+    return group
+
+
+def subcommand(group, name: str, run, help_text: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand of a `command_group` that runs `run(args) -> exit code`."""
+    p = group.add_parser(name, help=help_text, description=description)
+    p.set_defaults(run=run)
+    return p
+
+
+def quiet_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("absl", "jax", "orbax", "tensorboardX"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def log_to_stderr(command: str, quiet: bool) -> bool:
+    logger = logging.getLogger("composer_jax.checkpoint")
+    if not quiet and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"composer-jax {command}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return not quiet and sys.stderr.isatty()
+
+
+def load_model_or_run_config(name: str, overrides):
+    """(ModelConfig, RunConfig or None) of a model config or a run config (bundled name or YAML path)."""
+    from composer_jax.config import load_config
+    from composer_jax.train.config import is_run_config, load_run_config
+
+    if is_run_config(name):
+        run = load_run_config(name, overrides)
+        return run.model, run
+    return load_config(name, overrides), None

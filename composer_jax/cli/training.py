@@ -1,0 +1,119 @@
+"""Training commands: `pretrain`, `sft`, `plot`, and `config show|keys`."""
+
+from __future__ import annotations
+
+import sys
+
+from composer_jax.cli.common import command_group, load_model_or_run_config, quiet_logging, subcommand
+from composer_jax.config import ConfigError
+from composer_jax.cpu_devices import use_cpu_devices
+
+
+# pretrain / sft / plot
+
+
+def _run_training(args, command: str) -> int:
+    from composer_jax.train.config import load_run_config
+
+    if "=" in args.config:  # `composer-jax pretrain train.steps=5`: an override, not a config
+        args.overrides, args.config = [args.config, *args.overrides], args.default_config
+    cfg = load_run_config(args.config, args.overrides)
+    if command == "sft" and cfg.data.format != "chat":
+        raise ConfigError("data.format", "sft trains on conversations (loss on assistant tokens): set data.format=chat")
+    use_cpu_devices(cfg.train.cpu_devices)
+    quiet_logging()
+    from composer_jax.train.lifecycle import interrupted_line
+    from composer_jax.train.loop import train
+
+    s = train(cfg)
+    if "interrupted" in s:
+        print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        return s["exit_status"]
+    line = f"{command}: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
+    if "first_eval_loss" in s and "last_eval_loss" in s:
+        drop = 100 * (1 - s["last_eval_loss"] / s["first_eval_loss"])
+        line += f"; held-out loss {s['first_eval_loss']:.4f} -> {s['last_eval_loss']:.4f} ({drop:.1f}% lower)"
+    elif "last_eval_loss" in s:
+        line += f"; held-out loss {s['last_eval_loss']:.4f}"
+    if s["skipped_steps"]:
+        line += f"; {s['skipped_steps']} non-finite steps skipped"
+    if s["skipped_records"]:
+        line += f"; data: {s['skipped_records']} (listed in {s['skip_file']})"
+    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, checkpoints/; "
+          f"plot: composer-jax plot {cfg.run_dir})")
+    return 0
+
+
+def _add_training(sub, command: str, default: str, help_text: str) -> None:
+    p = sub.add_parser(command, help=help_text,
+                       description=f"{help_text}. Resumes from RUN_DIR/checkpoints when present.")
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"a run YAML path or a bundled run config name (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. train.steps=50 model.rope.factor=16")
+    p.set_defaults(run=lambda args: _run_training(args, command), default_config=default)
+
+
+def _add_pretrain(sub) -> None:
+    _add_training(sub, "pretrain", "pretrain-tiny",
+                  "continued pretraining or context extension (MTP, checkpoints, metrics)")
+
+
+def _add_sft(sub) -> None:
+    _add_training(sub, "sft", "sft-tiny", "supervised fine-tuning on conversations (loss on assistant tokens)")
+
+
+def _run_plot(args) -> int:
+    from composer_jax.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(path)
+    return 0
+
+
+def _add_plot(sub) -> None:
+    p = subcommand(sub, "plot", _run_plot, "PNG curves of a training run",
+                   "Plot RUN_DIR/metrics.jsonl "
+                   "(loss, held-out loss, MTP, throughput, MFU, lr, grad norm, expert balance) as PNGs.")
+    p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+
+
+# config show / keys
+
+
+def _run_config_show(args) -> int:
+    import yaml
+
+    from composer_jax.config import to_dict
+
+    model, run = load_model_or_run_config(args.name, args.overrides)
+    print(yaml.safe_dump(to_dict(run if run is not None else model), sort_keys=False), end="")
+    return 0
+
+
+def _run_config_keys(args) -> int:
+    from composer_jax.config import ModelConfig, describe_keys
+    from composer_jax.train.config import RunConfig
+
+    keys = describe_keys(RunConfig if args.kind == "run" else ModelConfig)
+    w_key, w_default = max(len(k.key) for k in keys), max(len(k.default) for k in keys)
+    print(f"{'key':<{w_key}}  {'default':<{w_default}}  meaning [type]")
+    for k in keys:
+        print(f"{k.key:<{w_key}}  {k.default:<{w_default}}  {k.meaning + ' ' if k.meaning else ''}[{k.type}]")
+    return 0
+
+
+def _add_config(sub) -> None:
+    config_sub = command_group(sub, "config", "print a resolved config, or every key with its default and meaning")
+    show = subcommand(config_sub, "show", _run_config_show, "the resolved config as YAML (loadable as a config file)",
+                      "Resolve a run config (e.g. pretrain-tiny) or a model config (e.g. "
+                      "tiny) with overrides, every default filled in, and print it as YAML.")
+    show.add_argument("name", metavar="NAME", help="a bundled config name or a YAML path")
+    show.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    keys = subcommand(config_sub, "keys", _run_config_keys, "every key with its default and meaning",
+                      "List every key of a run config (model.* included) or of a model "
+                      "config, with its default, its meaning and its type.")
+    keys.add_argument("kind", nargs="?", choices=("run", "model"), default="run", help="which config (default: run)")
+
+
