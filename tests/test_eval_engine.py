@@ -233,6 +233,24 @@ def test_an_episode_past_the_context_ends_unsolved(opened, tmp_path):
     assert summary.scores["pass@1"].value == 0.0
 
 
+def test_a_refused_turn_is_an_error_naming_the_episode_and_frees_its_slot(opened):
+    prompt = ByteTokenizer().encode("<|im_start|>user\ncopy abc<|im_end|>\n<|im_start|>assistant\n").tolist()
+    with _agent(opened) as agent:
+        first = agent.turn(TurnRequest("t/0", "t", 0, 0, tuple(prompt), prompt, 3))
+        new = [300]                                                    # outside the 256-id vocabulary
+        history = tuple(prompt + first.tokens + new)
+        with pytest.raises(EvalError, match="^episode t/0: prompt: token id 300 is out of the vocabulary"):
+            agent.turn(TurnRequest("t/0", "t", 0, 1, history, new, 3))
+        with pytest.raises(EvalError, match="episode t/0: 3 tokens before the new ones, the engine holds"):
+            agent.turn(TurnRequest("t/0", "t", 0, 1, (1, 2, 3, 4), [4], 3))
+        assert len(agent.engine.kept) == 1
+        agent.end_episode("t/0")
+        agent.turn(TurnRequest("t/1", "t", 1, 0, tuple(prompt), prompt, 3))   # the driver goes on
+        agent.end_episode("t/1")
+        agent.update_weights(opened.model, 0)                          # a barrier: the releases ran before it
+        assert agent.engine.kept == {}
+
+
 def _special_tokenizer(path: Path, specials) -> Path:
     """A byte-level BPE tokenizer.json (no merges) with `specials` added as single tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

@@ -34,7 +34,7 @@ from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from composer_jax.envs.protocol import FORMATS, KimiFormat, ToolFormat, get_format
 from composer_jax.eval.agent import AgentTurn, ContextFull, TurnRequest
 from composer_jax.eval.errors import EvalError
-from composer_jax.infer import Completion, Engine, SamplingParams
+from composer_jax.infer import Completion, Engine, GenerationError, SamplingParams
 
 MAX_LEN_CAP = 32768   # the default context when the model allows more (the cache is max_slots x max_len)
 
@@ -110,8 +110,12 @@ class EngineAgent:
         self.name, self.config, self.tokenizer = name, config, tokenizer
         self.fmt = tool_format(tokenizer, config.format)
         self.stop_tokens, self.stop_strings = turn_stops(tokenizer, self.fmt, eos_ids)
-        self.engine = Engine(model, max_slots=config.max_slots, max_len=max_len, steps_per_call=config.steps_per_call,
-                             eos_ids=self.stop_tokens, detokenize=lambda ids: tokenizer.decode(ids))
+        try:
+            self.engine = Engine(model, max_slots=config.max_slots, max_len=max_len,
+                                 steps_per_call=config.steps_per_call, eos_ids=self.stop_tokens,
+                                 detokenize=lambda ids: tokenizer.decode(ids))
+        except GenerationError as e:
+            raise EvalError(f"{name}: {e}") from None
         self.settings = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                          "max_new_tokens": config.max_new_tokens, "max_len": max_len, "format": self.fmt.name,
                          **(pinned or {})}
@@ -129,7 +133,11 @@ class EngineAgent:
     # the Agent protocol (any thread)
 
     def turn(self, request: TurnRequest) -> AgentTurn:
-        held = self._episodes.pop(request.episode, None)
+        held = self._episodes.get(request.episode)   # stays until a new request replaces it: end_episode frees it
+        if held is not None and not request.turn:   # the key starts over: its old slot goes
+            del self._episodes[request.episode]
+            self._send(lambda: self.engine.release(held.request_id))
+            held = None
         total, room = len(request.tokens), self.engine.max_len - len(request.tokens)
         if held is None and request.turn:
             raise EvalError(f"episode {request.episode}: turn {request.turn} of an episode this agent did not start")
@@ -140,13 +148,15 @@ class EngineAgent:
             if held is None:
                 raise EvalError(f"task {request.task}: its prompt of {total} tokens does not fit the agent's context "
                                 f"(max_len={self.engine.max_len}); raise max_len")
-            self._episodes[request.episode] = held    # released by end_episode
             raise ContextFull(f"{total} tokens fill the context (max_len={self.engine.max_len})")
         future: Future = Future()
         previous = None if held is None else held.request_id
         sampling = self.config.sampling(request.seed + request.turn)
         self._send(lambda: self._submit(list(request.new_tokens), sampling, previous, future), future)
-        completion: Completion = future.result()
+        try:
+            completion: Completion = future.result()
+        except GenerationError as e:   # refused: the previous request is still kept
+            raise EvalError(f"episode {request.episode}: {e}") from None
         self._episodes[request.episode] = _Episode(completion.request_id, total + len(completion.tokens))
         return AgentTurn(list(completion.tokens), list(completion.behaviour_logprobs), list(completion.versions))
 
