@@ -112,7 +112,8 @@ class CausalLM(nnx.Module):
                              f"[0, vocab_size={cfg.vocab_size}) ({len(bad)} out-of-range ids in total)")
 
     def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
-                return_latents: bool = False, prefix: LatentCache | None = None) -> Output:
+                return_latents: bool = False, prefix: LatentCache | None = None,
+                detach_mtp_inputs: bool = False) -> Output:
         """Hidden states of the main model and of every MTP depth.
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
@@ -121,6 +122,8 @@ class CausalLM(nnx.Module):
         prefix: latents of earlier tokens (e.g. another forward's `latents`) that every token may
         attend to where `prefix.valid`; pass the new tokens' `positions` continuing after it. Gradients
         flow into the prefix unless the caller stops them.
+        detach_mtp_inputs: the MTP depths see the main hidden states and the embeddings under
+        stop-gradient (a loss on `mtp_hidden` then trains the depths only: RL's MTP self-distillation).
         Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
         the load-balanced chunk order, undone on the outputs).
         """
@@ -160,7 +163,8 @@ class CausalLM(nnx.Module):
         mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
             next_tokens = layout.place(shifted_tokens(tokens, self.cfg.mtp.num_layers))
-            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask)
+            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask,
+                                             detach_inputs=detach_mtp_inputs)
             mtp_hidden = layout.restore(mtp_hidden)
         cache = None
         if return_latents:
