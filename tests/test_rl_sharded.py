@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -13,6 +12,7 @@ from composer_jax.config import MeshConfig
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
+from tests.rl_helpers import adam_first_moment
 
 G = 2
 CFG = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, sd_coef=0.5, optimizer=replace(rl_optimizer(), lr=1e-3))
@@ -24,16 +24,6 @@ def _batch():
                            with_ref=True)
 
 
-def _adam_first_moment(opt_state):
-    """Adam's first moment as a params-shaped tree (after one step: (1 - b1) x the clipped gradient the
-    step applied), joined from the per-mesh optimizer states."""
-    def mu(group_state):
-        is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-        return next(s for s in jax.tree.leaves(group_state, is_leaf=is_adam) if is_adam(s)).mu
-
-    return opt_state.groups.join([mu(inner) for inner in opt_state.inner])
-
-
 def _run(model):
     """(grads, Adam's first moment, metrics, new state) of one step, as numpy."""
     rl_step = RLStep(model, CFG)
@@ -42,7 +32,7 @@ def _run(model):
     (_, _), grads = jax.jit(lambda s, b: loss_and_grads(rl_step.graphdef, rl_step.rest, s, b, CFG))(state, batch)
     new_state, metrics = rl_step(state, batch)
     as_numpy = lambda tree: jax.tree.map(np.asarray, tree)
-    return (as_numpy(grads), as_numpy(_adam_first_moment(new_state.opt_state)),
+    return (as_numpy(grads), as_numpy(adam_first_moment(new_state.opt_state)),
             jax.tree.map(float, metrics), new_state)
 
 
