@@ -163,8 +163,13 @@ def test_rows_go_onto_the_data_axes():
         device_batch(synthetic_batch(0, batch=6, seq=16, vocab_size=256, group_size=G), dual)
 
 
-def test_micro_batch_that_does_not_divide_the_rows():
+def test_micro_batch_that_does_not_divide_the_rows_or_the_data_shards():
     rl_step = RLStep(nnx.eval_shape(lambda: CausalLM(load_config("tiny"), rngs=nnx.Rngs(0))),
                      RLConfig(group_size=G, micro_batch=3))
     with pytest.raises(ConfigError, match=r"config key 'micro_batch': 4 rows per step are not a whole number"):
         rl_step.validate(_batch())
+    dual = DualMesh(MeshConfig(replica=2, fsdp=4, cp=1, ereplica=2, ep=4))
+    sharded = nnx.eval_shape(lambda: CausalLM(load_config("tiny"), rngs=nnx.Rngs(0), mesh=dual))
+    rl_step = RLStep(sharded, RLConfig(group_size=G, micro_batch=4))
+    with pytest.raises(ConfigError, match=r"'micro_batch': micro-batches of 4 rows do not split over the 8 "):
+        rl_step.validate(_batch(rows=16))

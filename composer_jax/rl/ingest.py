@@ -26,12 +26,17 @@ def global_rows(batch: RolloutBatch) -> int:
     return int(np.shape(batch.tokens)[0]) * jax.process_count()
 
 
+def data_shards(dual: DualMesh | None) -> int:
+    """How many ways rows are split: the dense mesh's data-parallel size (1 without a DualMesh)."""
+    return 1 if dual is None else math.prod(dual.dense.shape[axis] for axis in BATCH_AXES)
+
+
 def device_batch(batch: RolloutBatch, dual: DualMesh | None) -> RolloutBatch:
     """This process's rows [B_local, ...] -> global arrays [B, ...] with rows sharded over the dense
     mesh's batch axes; unsharded arrays on the default device without a DualMesh."""
     if dual is None:
         return jax.tree.map(jax.device_put, batch)
-    shards = math.prod(dual.dense.shape[axis] for axis in BATCH_AXES)
+    shards = data_shards(dual)
     rows = global_rows(batch)
     if rows % shards:
         raise BatchError("tokens", f"{rows} rows do not split evenly over the {shards} data-parallel shards "

@@ -13,10 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from composer_jax.config import ConfigError
 from composer_jax.model import CausalLM
 from composer_jax.rl.batch import RolloutBatch, validate_batch
 from composer_jax.rl.config import RLConfig
-from composer_jax.rl.ingest import device_batch, global_rows
+from composer_jax.rl.ingest import data_shards, device_batch, global_rows
 from composer_jax.rl.objective import loss_and_grads
 from composer_jax.train.optimizer import Optimizer, make_optimizer
 from composer_jax.train.state import TrainState, split_model
@@ -64,6 +65,10 @@ class RLStep:
         validate_batch(batch, group_size=self.cfg.group_size, vocab_size=self.model_cfg.vocab_size,
                        need_ref=self.cfg.kl_coef > 0)
         self.cfg.micro_batches(global_rows(batch))
+        shards = data_shards(self.dual)
+        if self.cfg.micro_batch % shards:   # the model lays each micro-batch's rows over the data axes
+            raise ConfigError("micro_batch", f"micro-batches of {self.cfg.micro_batch} rows do not split over the "
+                                             f"{shards} data-parallel shards (dense mesh replica x fsdp)")
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
         """One step on this process's rows (a RolloutBatch of numpy arrays)."""
