@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import CodingEnv, Flag, TokenEpisode, get_format
 from composer_jax.envs.episode import Turn
 from composer_jax.envs.feedback import TEST_FILE_EDIT
 from composer_jax.envs.monitor import DETECTORS, Monitor, MonitorConfig, monitor_counts, write_examples
 from composer_jax.envs.tools import CallRecord
-from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import load_task
 from composer_jax.tasks.examples import write_example_task
