@@ -13,7 +13,7 @@ from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTool
 from composer_jax.envs.toy import ToyEnv, ToyTask, toy_tasks
 
 __all__ = ["DETECTORS", "FLAG_KINDS", "HINT_BUILDERS", "TOOLS", "TOOL_NAMES", "CallError", "CallRecord", "CodingEnv",
-           "CodingEnvConfig", "EpisodeStats", "Flag", "HintContext", "KimiFormat", "Monitor", "MonitorConfig", "ParsedTurn",
-           "PlainFormat", "Report", "RewardConfig", "Schedule", "TokenEpisode", "ToolCall", "ToolFormat", "ToolSpec",
-           "ToyEnv", "ToyTask", "Turn", "WorkspaceTools", "compose_reward", "get_format", "hint_for", "length_penalty",
-           "monitor_counts", "parse_turn", "rollout_fields", "toy_tasks", "write_examples"]
+           "CodingEnvConfig", "EpisodeStats", "Flag", "HintContext", "KimiFormat", "Monitor", "MonitorConfig",
+           "ParsedTurn", "PlainFormat", "Report", "RewardConfig", "Schedule", "TokenEpisode", "ToolCall", "ToolFormat",
+           "ToolSpec", "ToyEnv", "ToyTask", "Turn", "WorkspaceTools", "compose_reward", "get_format", "hint_for",
+           "length_penalty", "monitor_counts", "parse_turn", "rollout_fields", "toy_tasks", "write_examples"]
