@@ -125,6 +125,21 @@ def test_bad_sampler_inputs():
         TaskSampler.from_state(state, ["a"])
     restored = TaskSampler.from_state(state, ["a", "b", "c"])          # a task added since the save
     assert restored.stats["c"].samples == 0
+    with pytest.raises(SamplerError, match="'c' is already in the task set"):
+        restored.add_tasks(["c"])
+
+
+def test_tasks_added_during_the_run_join_the_next_pass():
+    sampler = TaskSampler(["a"], SamplerConfig(retire_after=0, seed=2))
+    sampler.record("a", [1.0] * 50)                                     # easy: rarely in a pass
+    first = sampler.draw(1)[0]
+    sampler.add_tasks(["new"])
+    assert sampler.pending == [] and first.task_id == "a"              # the running pass is left as it was
+    prompts = sampler.draw(6)
+    complete = {p.pass_index for p in prompts} - {prompts[-1].pass_index}
+    assert len(complete) >= 2                                            # passes of one or two tasks
+    for index in complete:                                               # "new" once in every whole pass
+        assert [p.task_id for p in prompts if p.pass_index == index].count("new") == 1
 
 
 def test_groups_complete_drop_equal_rewards_and_feed_the_sampler():

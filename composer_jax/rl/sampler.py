@@ -103,6 +103,14 @@ class TaskSampler:
         self.draws = 0                   # prompts handed out so far
         self.passes = 0                  # passes started so far
 
+    def add_tasks(self, task_ids: Iterable[str]) -> None:
+        """New tasks (e.g. generated during the run): they start unsampled (p = 1/2, the top weight) and
+        join from the next pass on."""
+        for task_id in task_ids:
+            if task_id in self.stats:
+                raise SamplerError(f"task {task_id!r} is already in the task set")
+            self.stats[task_id] = TaskStats()
+
     # -- difficulty -------------------------------------------------------------------------------
 
     def weight(self, task_id: str) -> float:
