@@ -209,6 +209,8 @@ def _type_name(tp: Any) -> str:
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert one YAML/CLI value to field type `tp`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
+    if hasattr(tp, "from_config"):  # a type that parses its own config form (e.g. envs.rewards.Schedule)
+        return tp.from_config(value, key)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return None if value is None else _convert(value, args[0], key)

@@ -124,7 +124,7 @@ class CausalLM(nnx.Module):
 
     def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
                 return_latents: bool = False, prefix: LatentCache | None = None,
-                absorbed: bool = False) -> Output:
+                absorbed: bool = False, detach_mtp_inputs: bool = False) -> Output:
         """Hidden states of the main model and of every MTP depth.
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
@@ -135,6 +135,8 @@ class CausalLM(nnx.Module):
         flow into the prefix unless the caller stops them.
         absorbed: attention in the absorbed form (`MLA.attend_absorbed`: the decode path; equal to the
         default up to rounding).
+        detach_mtp_inputs: the MTP depths see the main hidden states and the embeddings under
+        stop-gradient (a loss on `mtp_hidden` then trains the depths only: RL's MTP self-distillation).
         Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
         the load-balanced chunk order, undone on the outputs); under its inference placement
         (`DualMesh.for_inference()`) the inputs stay where the caller placed them.
@@ -173,7 +175,8 @@ class CausalLM(nnx.Module):
         mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
             next_tokens = layout.place(shifted_tokens(tokens, self.cfg.mtp.num_layers))
-            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask)
+            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask,
+                                             detach_inputs=detach_mtp_inputs)
             mtp_hidden = layout.restore(mtp_hidden)
         cache = None
         if return_latents:

@@ -25,6 +25,7 @@ from composer_jax.model.router import updated_bias
 from composer_jax.parallel import leafwise
 from composer_jax.parallel.partitioning import gather_whole
 from composer_jax.train import losses
+from composer_jax.train.accumulate import accumulate
 from composer_jax.train.config import RunConfig
 from composer_jax.train.optimizer import Optimizer
 from composer_jax.train.state import TrainState
@@ -56,14 +57,6 @@ def gather_batch(batch: Batch) -> Batch:
     return jax.tree.map(gather_whole, batch)
 
 
-def _type_sharding(s: jax.ShapeDtypeStruct):
-    """The sharding of an abstract value as the type system sees it (None when not on a mesh)."""
-    sharding = getattr(s, "sharding", None)
-    if sharding is None or getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
-        return None
-    return sharding
-
-
 def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
     """Apply `updated_bias` to each RouterBias leaf with the load of its stack (by top-level module)."""
     def one(path, bias):
@@ -91,19 +84,8 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         batch = gather_batch(batch)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
 
-        def micro(acc, mb):
-            (loss, aux), grads = grad_fn(state.params, state.biases, mb, n_main, n_mtp)
-            (acc_loss, acc_aux), acc_grads = acc
-            return ((acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux)),
-                    leafwise.tree_map(jnp.add, acc_grads, grads)), None
-
-        # Zero accumulators with the shardings the gradients will have, then one scan over micro-batches
-        # (a single copy of forward + backward in the compiled step).
-        (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, state.biases,
-                                                  jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
-        zeros = lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_type_sharding(s))  # noqa: E731
-        acc = ((zeros(loss_s), jax.tree.map(zeros, aux_s)), leafwise.tree_map(zeros, grads_s))
-        ((loss, (sums, loads)), grads), _ = jax.lax.scan(micro, acc, batch)
+        ((loss, (sums, loads)), grads) = accumulate(
+            lambda mb: grad_fn(state.params, state.biases, mb, n_main, n_mtp), batch)
 
         new = apply_gradients(opt, state.params, state.opt_state, grads, loss, cfg.optimizer.max_grad_norm)
         finite = new.finite
