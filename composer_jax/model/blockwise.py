@@ -159,11 +159,17 @@ def _backward(q, k, v, mask: AttentionMask, out, lse, d_out, scale: float, q_blo
             _unblock(dv_acc, tk).astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def blockwise_attention(q, k, v, mask: AttentionMask, scale: float, q_block: int = Q_BLOCK, k_block: int = K_BLOCK):
+def blockwise_attention(q, k, v, mask: AttentionMask, scale: float, q_block: int | None = None,
+                        k_block: int | None = None):
     """q: [batch, q, heads, dk]; k: [batch, k, heads, dk]; v: [batch, k, heads, dv]; mask: which keys each
-    query sees (every query must see at least one key). Returns (out [batch, q, heads, dv] in v's dtype,
-    max_logits f32[heads]: each head's largest `scale * q.k` over visible pairs, without gradient)."""
+    query sees (every query must see at least one key); block sizes default to Q_BLOCK and K_BLOCK.
+    Returns (out [batch, q, heads, dv] in v's dtype, max_logits f32[heads]: each head's largest
+    `scale * q.k` over visible pairs, without gradient)."""
+    return _attention(q, k, v, mask, scale, q_block or Q_BLOCK, k_block or K_BLOCK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, mask: AttentionMask, scale: float, q_block: int, k_block: int):
     out, _, max_logits = _forward(q, k, v, mask, scale, q_block, k_block)
     return out, max_logits
 
@@ -179,16 +185,16 @@ def _bwd(scale, q_block, k_block, residuals, cotangents):
     return dq, dk, dv, jax.tree.map(lambda _: None, mask)
 
 
-blockwise_attention.defvjp(_fwd, _bwd)
+_attention.defvjp(_fwd, _bwd)
 
 
-def blockwise_max_logits(q, k, mask: AttentionMask, scale: float, q_block: int = Q_BLOCK,
-                         k_block: int = K_BLOCK) -> jax.Array:
+def blockwise_max_logits(q, k, mask: AttentionMask, scale: float, q_block: int | None = None,
+                         k_block: int | None = None) -> jax.Array:
     """f32[heads]: each head's largest `scale * q.k` over visible pairs, block by block (logits only:
     for kernels that do not report it), without gradient. Shapes as `blockwise_attention`."""
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
     (b, _, h, _) = q.shape
-    qb, kb = _block_sizes(q, k, q_block, k_block)
+    qb, kb = _block_sizes(q, k, q_block or Q_BLOCK, k_block or K_BLOCK)
     (q_seg, q_ord), keys = _mask_blocks(mask, qb, kb)
     k_blocks = _blocks(k, kb, 0)
 

@@ -31,7 +31,8 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, cfg: RLC
     b, s = tokens.shape
     feedback = batch.teacher_tokens is not None and cfg.sd_coef > 0
     use_prefix = feedback and cfg.teacher_context == "prefix"
-    out = model.forward(tokens, batch.segment_ids, batch.positions, with_mtp=False, return_latents=use_prefix)
+    out = model.forward(tokens, batch.segment_ids, batch.positions, with_mtp=False, return_latents=use_prefix,
+                        remat=cfg.remat)
     hidden = gather_sequence(out.hidden)       # per-row shifts and gathers below need whole rows
 
     # Student statistics of every token from the previous position's logits; slot 0 has none.

@@ -21,14 +21,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.data.pipeline import FEATURES
 from composer_jax.model.layers import weight
 from composer_jax.model.router import updated_bias
-from composer_jax.parallel import leafwise
+from composer_jax.parallel import DualMesh, leafwise
+from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.parallel.partitioning import gather_whole
 from composer_jax.train import losses
 from composer_jax.train.config import RunConfig
 from composer_jax.train.optimizer import Optimizer
-from composer_jax.train.state import TrainState
+from composer_jax.train.state import StateLayout, TrainState
 from composer_jax.train.update import apply_gradients
 
 Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batch, seq] (eval)
@@ -140,3 +145,16 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
         return out
 
     return eval_step
+
+
+def lower_train_step(cfg: RunConfig, dual: DualMesh) -> jax.stages.Lowered:
+    """The jitted, donated training step of `cfg` on `dual`, lowered for shape-only state and batch
+    (nothing is allocated): `.compile().memory_analysis()` gives its per-device memory."""
+    layout = StateLayout(cfg, dual)
+    tc = cfg.train
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    batch_sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for k in FEATURES}
+    with dual:
+        step = jax.jit(make_train_step(cfg, layout.graphdef, layout.rest, layout.opt), donate_argnums=0)
+        return step.lower(layout.abstract, batch)
