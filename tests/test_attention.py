@@ -59,7 +59,7 @@ def _loss(attend, q, k, v, w):
     return jnp.sum(out * w), max_logits
 
 
-@pytest.mark.parametrize("blocks", [(8, 8), (16, 5), (64, 64)])
+@pytest.mark.parametrize("blocks", [(8, 8), (16, 5)])
 @pytest.mark.parametrize("kind", ["packed", "prefix", "cp_shard"])
 def test_blockwise_kernel_equals_reference(kind, blocks):
     rng = np.random.default_rng(0)
@@ -125,22 +125,12 @@ def _assert_same(ours, ref, rtol=1e-5):
         assert rel <= rtol, f"{'/'.join(map(str, path))}: rel. error {rel:.2e}"
 
 
-@pytest.fixture(scope="module")
-def packed_batch():
-    rng = np.random.default_rng(0)
-    return rng.integers(0, 256, (8, 32)).astype(np.int32), np.asarray(_packed(8, 32, rng))
-
-
-def test_model_blockwise_equals_reference_on_packed_documents(small_blocks, packed_batch):
-    reference, ours = _pair()
-    step = nnx.jit(_value_and_grads)
-    _assert_same(step(ours, *packed_batch), step(reference, *packed_batch))
-
-
-def test_model_blockwise_equals_reference_under_context_parallelism(small_blocks, packed_batch):
-    """cp=2 (each device: 16 queries in chunk order against all 32 keys) on 8 fake devices against the
-    unsharded reference."""
+def test_model_blockwise_equals_reference_under_context_parallelism(small_blocks):
+    """Packed documents under cp=2 (each device: 16 queries in chunk order against all 32 keys, in
+    blocks of 8) on 8 fake devices, against the unsharded reference."""
     reference, ours = _pair(["moe.dispatch=ragged"])
+    rng = np.random.default_rng(0)
+    packed_batch = rng.integers(0, 256, (8, 32)).astype(np.int32), np.asarray(_packed(8, 32, rng))
     expected = nnx.jit(_value_and_grads)(reference, *packed_batch)
     dual = DualMesh(MeshConfig(replica=2, fsdp=2, cp=2, ep=8), model=ours.cfg)
     with dual:
@@ -185,7 +175,7 @@ def test_model_blockwise_equals_reference_with_a_prefix(small_blocks):
 
 def test_segment_runs_match_a_loop():
     rng = np.random.default_rng(5)
-    segments = np.asarray(_packed(4, 23, rng, docs=4))
+    segments = np.array(_packed(4, 23, rng, docs=4))
     segments[1] = 1                                              # one document
     segments[2, -6:] = 0                                         # padding after the documents
     lengths, offsets = map(np.asarray, cudnn_attention.segment_runs(jnp.asarray(segments)))
