@@ -37,6 +37,7 @@ class RLConfig:
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
     mtp_distill_weight: float = 0.1     # MTP depths' self-distillation toward the policy (trains the depths only)
     loss_chunk: int = 512               # positions per logits block: [rows, chunk, vocab] f32 at a time
+    remat: Literal["none", "full", "dots"] = "none"   # the student forward per layer, as train.remat
     optimizer: OptimizerConfig = dataclasses.field(default_factory=rl_optimizer)  # name=muon selects Muon
     steps: int = 1000                   # optimizer steps of the run (the learning-rate schedule's horizon)
 

@@ -91,7 +91,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
     use_prefix = feedback and cfg.teacher_context == "prefix"
     depths = totals.mtp_targets.shape[0]
     out = model.forward(tokens, batch.segment_ids, batch.positions, with_mtp=depths > 0, return_latents=use_prefix,
-                        detach_mtp_inputs=True)
+                        detach_mtp_inputs=True, remat=cfg.remat)
     hidden = gather_sequence(out.hidden)       # per-row shifts and gathers below need whole rows
 
     # Student statistics of every token from the previous position's logits; slot 0 has none.

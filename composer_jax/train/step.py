@@ -3,7 +3,8 @@
 One step (jitted; the state is donated; no host synchronisation inside):
 1. global target counts of the whole step, so micro-batch losses sum to the step mean;
 2. a `lax.scan` over `grad_accum` micro-batches accumulating `value_and_grad` of
-   `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
+   `losses.combine(lm_loss_sums(...))`, each layer optionally rematerialised (`train.remat`, applied
+   per layer inside the model's scanned stacks);
 3. `update.apply_gradients`: the global gradient norm over both meshes' leaves, a finite guard (if the
    loss or the gradient norm is not finite, params, optimizer state and router biases stay as they
    were and `skipped` counts the step), clipping and the optimizer update;
@@ -20,19 +21,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.data.pipeline import FEATURES
 from composer_jax.model.layers import weight
 from composer_jax.model.router import updated_bias
-from composer_jax.parallel import leafwise
+from composer_jax.parallel import DualMesh, leafwise
+from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.parallel.partitioning import gather_whole
 from composer_jax.train import losses
 from composer_jax.train.accumulate import accumulate
 from composer_jax.train.config import RunConfig
 from composer_jax.train.optimizer import Optimizer
-from composer_jax.train.state import TrainState
+from composer_jax.train.state import StateLayout, TrainState
 from composer_jax.train.update import apply_gradients
-
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
 
 Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batch, seq] (eval)
 
@@ -40,7 +43,7 @@ Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batc
 def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, distill: bool):
     """Loss sums and expert loads of one micro-batch ([batch, seq] arrays)."""
     model = nnx.merge(graphdef, params, biases, rest)
-    out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"])
+    out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"], remat=cfg.train.remat)
     head = weight(model.lm_head, out.hidden.dtype)  # gathered whole if FSDP-sharded
     sums = losses.lm_loss_sums(out.hidden, out.mtp_hidden, head, mb["tokens"], mb["segment_ids"],
                                mb["loss_mask"], chunk=cfg.train.loss_chunk, distill=distill)
@@ -76,8 +79,6 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         loss = losses.combine(sums, n_main, n_mtp, mcfg.mtp.loss_weight, tcfg.mtp_distill_weight)
         return loss, (sums, loads)
 
-    if tcfg.remat != "none":
-        loss_fn = jax.checkpoint(loss_fn, policy=REMAT_POLICIES[tcfg.remat])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):
@@ -126,3 +127,16 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
         return out
 
     return eval_step
+
+
+def lower_train_step(cfg: RunConfig, dual: DualMesh) -> jax.stages.Lowered:
+    """The jitted, donated training step of `cfg` on `dual`, lowered for shape-only state and batch
+    (nothing is allocated): `.compile().memory_analysis()` gives its per-device memory."""
+    layout = StateLayout(cfg, dual)
+    tc = cfg.train
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    batch_sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for k in FEATURES}
+    with dual:
+        step = jax.jit(make_train_step(cfg, layout.graphdef, layout.rest, layout.opt), donate_argnums=0)
+        return step.lower(layout.abstract, batch)
