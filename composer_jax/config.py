@@ -225,6 +225,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping for {tp.__name__}, got {value!r}")
         return from_dict(tp, value, prefix=key)
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):   # tuple[X, ...] from a YAML list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {value!r}")
+        return tuple(_convert(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value))
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

@@ -1,4 +1,4 @@
-"""Training commands: `pretrain`, `sft`, `plot`, and `config show|keys`."""
+"""Training commands: `pretrain`, `sft`, `rl`, `plot`, and `config show|keys`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,41 @@ def _add_pretrain(sub) -> None:
 
 def _add_sft(sub) -> None:
     _add_training(sub, "sft", "sft-tiny", "supervised fine-tuning on conversations (loss on assistant tokens)")
+
+
+def _run_rl(args) -> int:
+    from composer_jax.rl.run_config import load_rl_config
+
+    if "=" in args.config:  # `composer-jax rl rl.steps=5`: an override, not a config
+        args.overrides, args.config = [args.config, *args.overrides], args.default_config
+    cfg = load_rl_config(args.config, args.overrides)
+    use_cpu_devices(cfg.cpu_devices)
+    quiet_logging()
+    from composer_jax.rl.loop import train_rl
+    from composer_jax.train.lifecycle import interrupted_line
+
+    s = train_rl(cfg)
+    if "interrupted" in s:
+        print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        return s["exit_status"]
+    line = f"rl: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
+    if "first_fifth_reward" in s:
+        line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
+    line += f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time"
+    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, eval/, checkpoints/; "
+          f"plot: composer-jax plot {cfg.run_dir})")
+    return 0
+
+
+def _add_rl(sub) -> None:
+    default = "rl-tiny"
+    help_text = "asynchronous agent RL (rollouts by the inference engine, the fused RL step)"
+    p = sub.add_parser("rl", help=help_text, description=f"{help_text}. Resumes from RUN_DIR/checkpoints when present.")
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"an RL run YAML path or a bundled config name (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted config overrides, e.g. rl.steps=20 rollout.devices=2")
+    p.set_defaults(run=_run_rl, default_config=default)
 
 
 def _run_plot(args) -> int:

@@ -67,6 +67,10 @@ class ToyEnv:
     def hint_context(self) -> HintContext:
         return HintContext(tuple(t.name for t in self.tools), self.fmt.render_call("submit", {"answer": "..."}))
 
+    def demonstration(self, task: ToyTask) -> str:
+        """The assistant message that solves `task` (a warm start's target)."""
+        return self.fmt.render_call("submit", {"answer": task.answer}) if self.use_tool else task.answer
+
     def reset(self, task: ToyTask) -> list[dict]:
         self.task, self.done = task, False
         messages = [self.fmt.tools_message(self.tools)] if self.use_tool else []

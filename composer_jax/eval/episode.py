@@ -42,6 +42,17 @@ def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: Attempt
     }
 
 
+def play(agent: Agent, episode: TokenEpisode, task, key: str, sample: int, seed: int, versions: list) -> None:
+    """Start `episode` on `task` and let `agent` write its turns (as episode `key`) until it ends;
+    appends each turn's per-token weight versions to `versions`. ContextFull propagates; the caller
+    ends the agent's episode."""
+    new = episode.start(task).tolist()
+    while not episode.done:
+        turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
+        versions.append(turn.versions)
+        new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+
+
 def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) -> AttemptRecord:
     """Play `task` once with `agent` in `env` (CodingEnv or ToyEnv, speaking agent.fmt); write the
     transcript under run_dir and return the attempt's record (not yet appended)."""
@@ -50,11 +61,7 @@ def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) 
     episode = TokenEpisode(env, agent.tokenizer)
     versions = []       # per turn, the weight version of each token (None: the agent does not say)
     try:
-        new = episode.start(task).tolist()
-        while not episode.done:
-            turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
-            versions.append(turn.versions)
-            new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+        play(agent, episode, task, key, sample, seed, versions)
     except ContextFull:
         pass            # the episode stays unfinished: recorded below as such
     finally:

@@ -214,6 +214,13 @@ class Engine:
     def update_weights(self, weights, version: int) -> None:
         """Swap in new parameters (a CausalLM or its nnx.State, any placement) of the same structure,
         shapes and dtypes; the compiled programs are reused. Tokens produced from now on record `version`."""
+        self.state = self.place_weights(weights)
+        self.version = version
+
+    def place_weights(self, weights) -> nnx.State:
+        """`weights` (a CausalLM or its nnx.State, same structure, shapes and dtypes) copied device to
+        device into the engine's layout, without installing them: a learner takes this snapshot before
+        its next step donates the arrays. Thread-safe (it touches no engine state)."""
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
         have = jax.tree_util.tree_flatten_with_path(self.state)[0]
         got, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -225,8 +232,7 @@ class Engine:
             if (tuple(new.shape), np.dtype(new.dtype)) != (tuple(old.shape), np.dtype(old.dtype)):
                 raise GenerationError(f"update_weights: '{path_str(path)}' is {np.dtype(new.dtype)}{list(new.shape)}, "
                                       f"the engine's is {np.dtype(old.dtype)}{list(old.shape)}")
-        self.state = jax.device_put(state, self._shardings)
-        self.version = version
+        return jax.device_put(state, self._shardings, may_alias=False)   # a copy even where the layouts agree
 
     # ------------------------------------------------------------------------------------------
     # running

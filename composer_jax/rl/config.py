@@ -40,6 +40,7 @@ class RLConfig:
     remat: Literal["none", "full", "dots"] = "none"   # the student forward per layer, as train.remat
     optimizer: OptimizerConfig = dataclasses.field(default_factory=rl_optimizer)  # name=muon selects Muon
     steps: int = 1000                   # optimizer steps of the run (the learning-rate schedule's horizon)
+    max_staleness: int = 1              # the RL loop trains no batch older than this many policy versions (0: synchronous)
 
     def __post_init__(self):
         checks = [
@@ -58,6 +59,7 @@ class RLConfig:
             ("sd_jsd_beta", 0 < self.sd_jsd_beta < 1, "must be in (0, 1)"),
             ("loss_chunk", self.loss_chunk > 0, "must be > 0"),
             ("steps", self.steps > 0, "must be > 0"),
+            ("max_staleness", self.max_staleness >= 0, "must be >= 0 (0: every batch is sampled by the current policy)"),
         ]
         for key, ok, message in checks:
             if not ok:

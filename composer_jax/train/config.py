@@ -148,6 +148,13 @@ def is_run_config(path_or_name: str | Path) -> bool:
 def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
     """Read a run YAML (a path or a name under configs/), inline its model, apply overrides, validate;
     run paths are made absolute (`resolve_run_paths`)."""
+    return resolve_run_paths(load_config_with_model(RunConfig, path_or_name, overrides))
+
+
+def load_config_with_model(cls: type, path_or_name: str | Path, overrides=()):
+    """A run-like config `cls` (with a `model` field) from a YAML path or a bundled run config name:
+    the named model inlined, dotted keys in the file and then `overrides` applied, validated; a
+    ConfigError says where its key was set."""
     path = resolve_config_path(path_or_name, kind="run")
     data = read_yaml(path)
     command_line = command_line_overrides(overrides)
@@ -165,7 +172,6 @@ def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
                 data["model"] = read_yaml(resolve_config_path(data["model"], kind="model"))
             except FileNotFoundError as e:
                 raise ConfigError("model", str(e)) from None
-        cfg = from_dict(RunConfig, apply_overrides(RunConfig, data, {k: v for k, v in overrides if k != "model"}))
+        return from_dict(cls, apply_overrides(cls, data, {k: v for k, v in overrides if k != "model"}))
     except ConfigError as e:
         raise override_origin(e, path, command_line) from None
-    return resolve_run_paths(cfg)

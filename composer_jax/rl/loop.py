@@ -1,0 +1,279 @@
+"""`composer-jax rl`: the asynchronous agent RL loop.
+
+    RLTrainer(cfg).run()
+
+The learner (the fused, jitted RL step `rl.step.RLStep` on the dual grid) trains batch i at policy
+version i while the rollout producer (`rl.rollout.RolloutProducer`, a background thread driving the
+inference engine through `eval.engine_agent.EngineAgent`) already samples the next ones with the
+newest weights it has; no trained batch is older than `rl.max_staleness` versions (a batch that would
+be is dropped and counted). After each step the learner copies its parameters device to device into
+the engine's layout (`Engine.place_weights`) and publishes them; the engine installs them between
+batches without recompiling. By default the engine shares the learner's devices; `rollout.devices=K`
+puts it on its own K devices and the learner's dual grid on the rest.
+
+Everything a run writes lives in RUN_DIR: `config.yaml`, `metrics.jsonl` + `tb/` (one line per step:
+policy version, staleness, rewards and their components, pass rate, loss terms, KL, entropy,
+tool-error rate, flagged turns, response length, tokens/s of rollout and learner, their overlap,
+dropped groups, the prompts trained on; `eval_pass@1` every `eval.every` steps), `monitor.jsonl`
+(episodes the reward-hacking monitor flagged), `eval/step-N/` (held-out attempts) and `checkpoints/`
+(learner state, policy version = step, the task sampler's state with its random generator). Killing
+the run and starting the same command again continues from the last checkpoint: the sampler draws
+again from where that checkpoint's batch left it, so no consumed prompt is trained on twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+from flax import nnx
+
+from composer_jax.config import ConfigError, MeshConfig, to_dict
+from composer_jax.data.tokenizer import ByteTokenizer
+from composer_jax.envs import write_examples
+from composer_jax.eval import EvalConfig, evaluate
+from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.model import CausalLM
+from composer_jax.parallel import DualMesh, shard_model
+from composer_jax.rl.groups import GroupAssembler
+from composer_jax.rl.ingest import data_shards
+from composer_jax.rl.reference import ReferencePolicy
+from composer_jax.rl.rollout import ProducedBatch, RolloutProducer
+from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.rl.sampler import TaskSampler
+from composer_jax.rl.step import RLStep
+from composer_jax.rl.task_sets import task_sets
+from composer_jax.rl.warm_start import demonstrations, warm_start
+from composer_jax.train import metrics as metrics_lib
+from composer_jax.train.checkpoints import RunCheckpoints
+from composer_jax.train.lifecycle import StopSignals
+
+log = logging.getLogger(__name__)
+
+
+def split_devices(cfg: RLRunConfig) -> tuple[list, list | None]:
+    """(learner devices, engine devices or None when the engine shares the learner's)."""
+    devices = jax.devices()
+    k = cfg.rollout.devices
+    if not k:
+        return devices, None
+    if k >= len(devices):
+        raise ConfigError("rollout.devices", f"{k} engine devices of {len(devices)} leave none for the learner")
+    return devices[:-k], devices[-k:]
+
+
+class Overlap:
+    """Time during which rollout production and learning both ran: each interval is intersected with
+    the other side's intervals known when it arrives, so every pair is counted once."""
+
+    def __init__(self):
+        self.sides: dict[str, list[tuple[float, float]]] = {"rollout": [], "learner": []}
+        self.both = 0.0
+
+    def add(self, side: str, interval: tuple[float, float]) -> None:
+        other = self.sides["learner" if side == "rollout" else "rollout"]
+        self.both += sum(max(0.0, min(interval[1], b) - max(interval[0], a)) for a, b in other)
+        self.sides[side].append(interval)
+
+    def busy(self, side: str) -> float:
+        return sum(b - a for a, b in self.sides[side])
+
+
+def _staleness(produced: ProducedBatch, version: int) -> np.ndarray:
+    """Per trained row: the policy version now minus the oldest version among its tokens."""
+    oldest = produced.row_versions[0]
+    return version - oldest[oldest >= 0]
+
+
+class RLTrainer:
+    """One RL run: tasks, learner, engine, producer, checkpoints and metrics. Building it writes nothing
+    to disk; `run()` creates RUN_DIR."""
+
+    def __init__(self, cfg: RLRunConfig):
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.tasks = task_sets(cfg.env, cfg.seed)
+        self.tokenizer = ByteTokenizer()
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the byte tokenizer's "
+                                                  f"{self.tokenizer.vocab_size} ids")
+        self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
+        try:
+            self._build()
+        except BaseException:
+            self.checkpoints.close()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        self.resumed_from = self.checkpoints.latest_step()
+        learner_devices, engine_devices = split_devices(cfg)
+        self.dual = DualMesh(cfg.mesh, learner_devices, model=cfg.model)
+        shards = data_shards(self.dual)
+        if cfg.rollout.batch_size % shards or (cfg.rl.micro_batch or cfg.rollout.batch_size) % shards:
+            raise ConfigError("rollout.batch_size", f"{cfg.rollout.batch_size} rows (micro-batches of "
+                                                    f"{cfg.rl.micro_batch or cfg.rollout.batch_size}) do not split "
+                                                    f"over the learner's {shards} data-parallel shards")
+        model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
+        with self.dual:
+            shard_model(model, self.dual)
+            self.warm_ce = None
+            # The warm start runs on a fresh run, and again on a resumed one that needs its reference policy.
+            if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
+                demo_tasks = toy_demo_tasks(cfg)
+                model, self.warm_ce = warm_start(model, cfg, demonstrations(self.tasks.make_env(), self.tokenizer,
+                                                                            demo_tasks, cfg.rollout.max_len))
+            self.reference = ReferencePolicy(model, cfg.rl.loss_chunk) if cfg.rl.kl_coef > 0 else None
+            self.rl_step = RLStep(model, cfg.rl)
+            self.state = self.rl_step.init_state(model)
+            data = None
+            if self.resumed_from is not None:
+                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                        self.state)
+                self.checkpoints.check_model(abstract, "run_dir")
+                self.state, data = self.checkpoints.restore(abstract)
+        ids = list(self.tasks.train)
+        self.sampler = (TaskSampler(ids, cfg.sampler) if data is None
+                        else TaskSampler.from_state(data["sampler"], ids, cfg.sampler))
+        self.groups = GroupAssembler(cfg.rl.group_size, self.sampler, on_lost=cfg.rollout.on_lost,
+                                     max_refills=cfg.rollout.max_refills)
+        if data is not None:
+            self.groups.load_state(data["groups"])
+        self.agent = self._engine_agent(model, engine_devices)
+
+    def _engine_agent(self, model: CausalLM, engine_devices: list | None) -> EngineAgent:
+        r = self.cfg.rollout
+        config = EngineAgentConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                   max_new_tokens=r.max_new_tokens, max_len=r.max_len, max_slots=r.max_slots,
+                                   steps_per_call=r.steps_per_call, format=self.cfg.env.format)
+        source = model
+        if engine_devices is not None:      # the engine's own grid; its weights come from the learner below
+            source = CausalLM(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
+            shard_model(source, DualMesh(MeshConfig(), engine_devices, model=self.cfg.model))
+        agent = EngineAgent(source, self.tokenizer, "policy", config)
+        # A copy of the learner's current weights (restored or warm-started): its arrays are donated by the steps.
+        agent.update_weights(agent.engine.place_weights(self._policy()), self.version)
+        return agent
+
+    @property
+    def version(self) -> int:
+        return int(jax.device_get(self.state.step))
+
+    def _policy(self) -> CausalLM:
+        return nnx.merge(self.rl_step.graphdef, self.state.params, self.state.biases, self.rl_step.rest)
+
+    def _evaluate(self, step: int) -> dict:
+        held_out = self.tasks.held_out
+        summary = evaluate(self.agent, held_out, self.run_dir / "eval" / f"step-{step}",
+                           EvalConfig(samples=1, workers=min(len(held_out), self.cfg.rollout.max_slots),
+                                      max_turns=self.cfg.env.max_turns, seed=self.cfg.seed),
+                           make_env=self.tasks.make_env)
+        return {"eval_pass@1": summary.scores["pass@1"].value, "eval_version": float(self.agent.version)}
+
+    def _save(self, step: int, produced: ProducedBatch) -> None:
+        self.checkpoints.save(step, self.state, {"sampler": produced.sampler_state, "groups": produced.group_counts},
+                              to_dict(self.cfg))
+
+    def run(self) -> dict:
+        """Train from the current policy version to rl.steps, or until SIGINT / SIGTERM (then save and
+        say so in the summary: `interrupted`, `exit_status`, `checkpoint`)."""
+        cfg = self.cfg
+        start = step = self.version
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
+        progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress)
+        producer = RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, cfg,
+                                   start_index=start, workspace=self.tasks.workspace)
+        overlap, rewards, dropped_stale = Overlap(), [], 0
+        summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce}
+        saved, last = self.resumed_from, None
+        t_begin = time.perf_counter()
+        progress.status("compiling the engine and the RL step")
+        producer.start()
+        try:
+            with StopSignals(progress.note) as stop, self.dual:
+                while step < cfg.rl.steps and not stop.requested:
+                    produced = producer.next_batch()
+                    overlap.add("rollout", produced.busy)
+                    stale = _staleness(produced, step)
+                    if stale.size and stale.max() > cfg.rl.max_staleness:   # never trained on
+                        dropped_stale += 1
+                        continue
+                    began = time.perf_counter()
+                    batch = produced.batch if self.reference is None else self.reference.annotate(produced.batch)
+                    self.state, step_metrics = self.rl_step(self.state, batch)
+                    snapshot = self.agent.engine.place_weights(self._policy())   # before the next step donates
+                    jax.block_until_ready(snapshot)
+                    producer.publish(snapshot, step + 1)
+                    step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                    ended = time.perf_counter()
+                    overlap.add("learner", (began, ended))
+                    step += 1
+                    wall = ended - t_begin
+                    step_metrics["batch_reward_mean"] = step_metrics.pop("reward_mean")   # padding rows included
+                    record = {"step": step, "policy_version": step, **produced.metrics, **step_metrics,
+                              "staleness_mean": float(stale.mean()) if stale.size else 0.0,
+                              "staleness_max": float(stale.max()) if stale.size else 0.0,
+                              "batch_version_min": float(produced.row_versions[0][produced.row_versions[0] >= 0].min(
+                                  initial=step - 1)),
+                              "learner_s": ended - began,
+                              "learner_tokens_per_s": step_metrics["tokens"] / max(ended - began, 1e-9),
+                              "overlap_fraction": overlap.both / wall,
+                              "rollout_busy_fraction": overlap.busy("rollout") / wall,
+                              "learner_busy_fraction": overlap.busy("learner") / wall,
+                              "dropped_stale_batches": float(dropped_stale),
+                              "trained_draws": [g.prompt.draw for g in produced.groups],
+                              "trained_tasks": [g.prompt.task_id for g in produced.groups]}
+                    write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
+                                   episode_ids=[k for k, _ in produced.reports])
+                    if cfg.eval.every and self.tasks.held_out and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
+                        record.update(self._evaluate(step))
+                        progress.write(f"step {step}: held-out pass@1 {record['eval_pass@1']:.3f}")
+                    writer.write(record)
+                    rewards.append(record.get("reward_mean", 0.0))
+                    progress.update(1, record["loss"], record["learner_tokens_per_s"], None)
+                    progress.status(f"reward {record.get('reward_mean', 0.0):.3f}")
+                    last = produced
+                    if step % cfg.checkpoint.every == 0 or step == cfg.rl.steps:
+                        self._save(step, produced)
+                        saved = step
+                if stop.requested and last is not None and saved != step:
+                    self._save(step, last)
+                    saved = step
+                self.checkpoints.wait()
+            wall = time.perf_counter() - t_begin
+            fifth = max(1, len(rewards) // 5)
+            summary.update(end_step=step, wall_s=wall, overlap_fraction=overlap.both / wall,
+                           dropped_stale_batches=dropped_stale)
+            if rewards:
+                summary.update(first_fifth_reward=float(np.mean(rewards[:fifth])),
+                               last_fifth_reward=float(np.mean(rewards[-fifth:])))
+            if stop.requested and step < cfg.rl.steps:
+                checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
+                summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
+        finally:
+            producer.stop()
+            self.agent.close()
+            progress.close()
+            writer.close()
+            self.checkpoints.close()
+        return summary
+
+
+def toy_demo_tasks(cfg: RLRunConfig) -> list:
+    """The warm start's demonstration tasks: toy tasks of the run's family, drawn with their own seed."""
+    from composer_jax.envs import toy_tasks
+
+    if cfg.env.kind != "toy":
+        raise ConfigError("warm_start.steps", "the warm start demonstrates toy tasks only; set it to 0 for "
+                                              f"env.kind={cfg.env.kind}")
+    return toy_tasks(cfg.env.family, cfg.warm_start.tasks, seed=cfg.seed + 2, length=cfg.env.length)
+
+
+def train_rl(cfg: RLRunConfig) -> dict:
+    """Build an RLTrainer for `cfg` and run it (resuming if RUN_DIR holds checkpoints)."""
+    return RLTrainer(cfg).run()

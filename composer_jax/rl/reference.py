@@ -1,0 +1,42 @@
+"""The frozen reference policy of the KL term: its log-probs of a rollout batch's tokens, computed on the
+learner's devices with parameters fixed at the start of RL (after the warm start)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from composer_jax.parallel.partitioning import gather_sequence
+from composer_jax.rl import losses
+from composer_jax.rl.batch import RolloutBatch
+from composer_jax.rl.ingest import device_batch
+from composer_jax.rl.rows import chunked
+
+
+class ReferencePolicy:
+    """ref = ReferencePolicy(model, loss_chunk); batch = ref.annotate(batch) fills `ref_logprobs`.
+    Holds a copy of the model's parameters (the learner's own arrays are donated by its steps)."""
+
+    def __init__(self, model, loss_chunk: int):
+        self.graphdef, state = nnx.split(model)
+        self.state = jax.tree.map(jnp.copy, state)
+        self.dual = model.mesh
+
+        def logprobs(state, tokens, segment_ids, positions, generated):
+            ref = nnx.merge(self.graphdef, state)
+            hidden = gather_sequence(ref.forward(tokens, segment_ids, positions).hidden)
+            logp, = chunked(lambda h, y: (losses.token_logprobs(ref.logits(h), y),), loss_chunk, hidden[:, :-1],
+                            tokens[:, 1:])
+            logp = jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)   # slot 0 has no context
+            return jnp.where(generated, logp, 0.0)
+
+        self._logprobs = jax.jit(logprobs)
+
+    def annotate(self, batch: RolloutBatch) -> RolloutBatch:
+        """`batch` (numpy) with ref_logprobs f32[B, S]: log pi_ref(token) on generated tokens, 0 elsewhere."""
+        on_device = device_batch(batch, self.dual)
+        logp = self._logprobs(self.state, on_device.tokens, on_device.segment_ids, on_device.positions,
+                              on_device.generated)
+        return batch._replace(ref_logprobs=np.asarray(jax.device_get(logp), np.float32))

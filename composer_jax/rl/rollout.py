@@ -1,0 +1,285 @@
+"""Rollout production for the RL loop: a background thread turns the policy's current weights into
+training batches while the learner trains on the previous ones.
+
+    producer = RolloutProducer(agent, tasks, make_env, sampler, groups, cfg, start_index=0)
+    producer.start()
+    batch = producer.next_batch()          # ProducedBatch for policy version `batch.index`
+    producer.publish(snapshot, version)    # the learner's new weights (already copied into the engine's layout)
+
+Bounded staleness: batch i is trained when the learner is at policy version i. The producer starts
+batch i only once version i - max_staleness is published, and installs the newest published weights
+in the engine (`EngineAgent.update_weights`, in place, no recompilation) between batches, so every
+token of batch i comes from a version in [i - max_staleness, i] (each records its own version). With
+max_staleness = 0 it waits for the learner before every batch: a synchronous loop.
+
+One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
+episode in its own thread, all turns decoding together in the engine's slots). An episode that raises
+(the environment crashed, the context ran out) or runs past `rollout.timeout_s` (it hung) is lost: the
+group assembler refills or drops its group (`rl.groups`), and the run goes on. Groups whose rewards are
+all equal are dropped; the batch keeps its shape by padding rows that carry no generated token (no
+gradient). Rows are ordered by draw and sample, so the same seeds give the same batch whatever the
+timing. Each episode samples from its own seed (its draw and sample), independent of its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from composer_jax.envs import Monitor, Report, TokenEpisode, monitor_counts, rollout_fields
+from composer_jax.eval.episode import attempt_seed, play
+from composer_jax.rl.batch import RolloutBatch
+from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
+from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.rl.sampler import Prompt, TaskSampler
+
+POLL_S = 0.05
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One finished episode of a drawn prompt."""
+
+    prompt: Prompt
+    sample: int
+    episode: TokenEpisode
+    versions: list[int]         # the weights version of each generated token
+    report: Report              # the reward-hacking monitor's findings
+    reward: float               # the composed reward, after the monitor (zeroed when flagged and configured so)
+
+    @property
+    def key(self) -> str:
+        return f"{self.prompt.draw}/{self.sample}"
+
+
+@dataclasses.dataclass
+class ProducedBatch:
+    index: int                  # the policy version that trains on it (the step it is for)
+    batch: RolloutBatch
+    groups: list[Group]         # the trained groups, by draw
+    row_versions: np.ndarray    # int[2, B]: oldest and newest weights version among each row's tokens (-1: padding)
+    metrics: dict               # rollout statistics of the batch (all finished episodes, trained or not)
+    reports: list[tuple[str, Report]]   # (episode key, monitor report) of every finished episode
+    sampler_state: dict         # the sampler once this batch's groups were recorded (what a checkpoint keeps)
+    group_counts: dict
+    busy: tuple[float, float]   # perf_counter() interval spent producing it
+
+
+def padding_rows(rows: int, seq_len: int, first_group: int, group_size: int, slots: int, window: int) -> dict:
+    """RolloutBatch fields of `rows` rows that train nothing: one prompt token, no generated token,
+    reward 0, in groups numbered from `first_group`."""
+    segments = np.zeros((rows, seq_len), np.int32)
+    segments[:, 0] = 1
+    fields = dict(tokens=np.zeros((rows, seq_len), np.int32), positions=np.zeros((rows, seq_len), np.int32),
+                  segment_ids=segments, generated=np.zeros((rows, seq_len), bool),
+                  behaviour_logprobs=np.zeros((rows, seq_len), np.float32), rewards=np.zeros(rows, np.float32),
+                  group_ids=(first_group + np.arange(rows) // group_size).astype(np.int32))
+    if slots:
+        fields.update(teacher_tokens=np.zeros((rows, slots, window), np.int32),
+                      teacher_map=np.full((rows, slots, window), -1, np.int32))
+    return fields
+
+
+def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.ndarray]:
+    """The step's batch from trainable groups (at most prompts_per_step, sorted by draw; rows by sample),
+    padded to rollout.batch_size rows; and the rows' [oldest, newest] token versions int[2, B]."""
+    r, g = cfg.rollout, cfg.rl.group_size
+    rollouts = [s.rollout for group in groups for s in sorted(group.samples, key=lambda s: s.rollout.sample)]
+    fields = rollout_fields([x.episode for x in rollouts], np.arange(len(rollouts)) // g, seq_len=r.max_len,
+                            slots=r.feedback_slots, window=r.feedback_window)
+    fields["rewards"] = np.array([x.reward for x in rollouts], np.float32)
+    pad = padding_rows(r.batch_size - len(rollouts), r.max_len, len(groups), g, r.feedback_slots, r.feedback_window)
+    fields = {k: np.concatenate([fields[k], pad[k]]) for k in pad}
+    versions = np.full((2, r.batch_size), -1, np.int64)
+    for row, x in enumerate(rollouts):
+        if x.versions:
+            versions[:, row] = min(x.versions), max(x.versions)
+    return RolloutBatch(**fields), versions
+
+
+def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float) -> dict:
+    """Means over the batch's finished episodes: rewards and their components, pass rate, tool errors,
+    flagged turns, response length; rollout tokens per second."""
+    if not rollouts:
+        return {"rollouts": 0.0, "rollout_s": wall_s}
+    terms = [x.episode.reward_terms for x in rollouts]
+    infos = [x.episode.info for x in rollouts]
+    generated = [int(sum(x.episode.generated)) for x in rollouts]
+    calls = sum(i["tool_calls"] + i.get("invalid_calls", 0) for i in infos)
+    out = {"rollouts": float(len(rollouts)), "reward_mean": float(np.mean([x.reward for x in rollouts])),
+           "pass_rate": float(np.mean([i["task_reward"] >= pass_threshold for i in infos])),
+           "tool_error_rate": sum(i["failed_calls"] for i in infos) / calls if calls else 0.0,
+           "flagged_turns": float(sum(bool(t.flags) for x in rollouts for t in x.episode.turns)),
+           "response_length_mean": float(np.mean(generated)), "rollout_s": wall_s,
+           "rollout_tokens_per_s": sum(generated) / max(wall_s, 1e-9)}
+    out.update({f"reward_{name}": float(np.mean([t[name] for t in terms])) for name in terms[0] if name != "total"})
+    return out
+
+
+class RolloutProducer:
+    """See the module docstring. `agent`: an EngineAgent (or any agent with update_weights/version);
+    `tasks`: id -> task; `make_env()`: a fresh environment per episode; `workspace`: where the
+    environment's commands see the repository (for the monitor)."""
+
+    def __init__(self, agent, tasks: Mapping[str, object], make_env: Callable[[], object], sampler: TaskSampler,
+                 groups: GroupAssembler, cfg: RLRunConfig, *, start_index: int = 0, workspace: str = "/workspace"):
+        self.agent, self.tasks, self.make_env, self.sampler, self.groups = agent, tasks, make_env, sampler, groups
+        self.cfg, self.workspace = cfg, workspace
+        self.monitor = Monitor(cfg.monitor)
+        self.index = start_index
+        self._published: tuple[object, int] = (None, start_index)    # (weights, version)
+        self._out: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="rollout-producer", daemon=True)
+
+    # -- the learner's side ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def publish(self, weights, version: int) -> None:
+        """New policy weights (placed for the engine: `Engine.place_weights`) at `version`."""
+        with self._cond:
+            self._published = (weights, version)
+            self._cond.notify_all()
+
+    def next_batch(self) -> ProducedBatch:
+        """The next batch, in order (blocks); re-raises a failure of the producer thread."""
+        while True:
+            try:
+                item = self._out.get(timeout=POLL_S * 10)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._out.empty():
+                    raise RuntimeError(f"the rollout producer stopped: {self._failure!r}") from self._failure
+                continue
+            if item is None:
+                raise RuntimeError(f"the rollout producer failed: {self._failure}") from self._failure
+            return item
+
+    def stop(self, wait_s: float = 30.0) -> None:
+        """Stop after the current batch (episodes still running are abandoned)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
+
+    # -- the producer thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._cond:
+                    while not self._stop.is_set() and self._published[1] < self.index - self.cfg.rl.max_staleness:
+                        self._cond.wait()
+                    weights, version = self._published
+                if self._stop.is_set():
+                    return
+                if weights is not None and version != self.agent.version:
+                    self.agent.update_weights(weights, version)
+                produced = self.produce(self.index)
+                if produced is None:      # stopped mid-batch
+                    return
+                self._out.put(produced)
+                self.index += 1
+        except BaseException as e:       # handed to the learner by next_batch
+            self._failure = e
+            self._out.put(None)
+
+    def _episode(self, prompt: Prompt, sample: int, index: int) -> Rollout:
+        env = self.make_env()
+        episode = TokenEpisode(env, self.agent.tokenizer, rewards=self.cfg.rewards, train_step=index)
+        key = f"{prompt.draw}/{sample}"
+        versions: list = []
+        try:
+            play(self.agent, episode, self.tasks[prompt.task_id], key, sample,
+                 attempt_seed(self.cfg.seed, f"{prompt.task_id}#{prompt.draw}", sample), versions)
+        finally:
+            self.agent.end_episode(key)
+            if hasattr(env, "close"):
+                env.close()
+        report = self.monitor.check(episode.turns, workspace=self.workspace)
+        reward = self.monitor.apply([episode.reward], [report])[0]
+        return Rollout(prompt, sample, episode, [v for turn in versions for v in (turn or ())], report, reward)
+
+    def produce(self, index: int) -> ProducedBatch | None:
+        """One batch for policy version `index` (None if stopped meanwhile)."""
+        start = time.perf_counter()
+        before = dict(self.groups.counts)
+        prompts = self.sampler.draw(self.cfg.prompts_per_step)
+        results: queue.Queue = queue.Queue()
+        running: dict[tuple[int, int], tuple[Prompt, float]] = {}
+        next_sample = {p.draw: self.cfg.rl.group_size for p in prompts}
+        finished: list[Rollout] = []
+        trainable: list[Group] = []
+        failures = {"rollouts_crashed": 0, "rollouts_hung": 0}
+        first_error: list[str] = []
+
+        def launch(prompt: Prompt, sample: int) -> None:
+            def run():
+                try:
+                    results.put(((prompt.draw, sample), self._episode(prompt, sample, index), None))
+                except BaseException as e:   # noqa: BLE001  (any failure of an episode loses that rollout only)
+                    results.put(((prompt.draw, sample), None, e))
+
+            running[(prompt.draw, sample)] = (prompt, time.perf_counter())
+            threading.Thread(target=run, name=f"rollout-{prompt.draw}-{sample}", daemon=True).start()
+
+        def lose(prompt: Prompt) -> None:
+            if self.groups.lost(prompt):
+                launch(prompt, next_sample[prompt.draw])
+                next_sample[prompt.draw] += 1
+
+        for prompt in prompts:
+            self.groups.open(prompt)
+            for sample in range(self.cfg.rl.group_size):
+                launch(prompt, sample)
+        while running:
+            if self._stop.is_set():
+                return None
+            try:
+                key, rollout, error = results.get(timeout=POLL_S)
+            except queue.Empty:
+                now = time.perf_counter()
+                for key, (prompt, began) in list(running.items()):
+                    if now - began > self.cfg.rollout.timeout_s:     # hung: abandoned, its slot released
+                        del running[key]
+                        failures["rollouts_hung"] += 1
+                        self.agent.end_episode(f"{key[0]}/{key[1]}")
+                        lose(prompt)
+                continue
+            if key not in running:       # finished after it was given up
+                continue
+            prompt, _ = running.pop(key)
+            if error is not None:
+                failures["rollouts_crashed"] += 1
+                first_error.append(f"{type(error).__name__}: {error}")
+                lose(prompt)
+                continue
+            finished.append(rollout)
+            group = self.groups.add(prompt, Sample(rollout.reward, rollout.episode.info["task_reward"], rollout))
+            if group is not None:
+                trainable.append(group)
+        if not finished:
+            raise RuntimeError(f"every rollout of batch {index} was lost; the first: "
+                               f"{first_error[0] if first_error else 'timed out'}")
+        trainable.sort(key=lambda g: g.prompt.draw)
+        batch, versions = assemble(trainable, self.cfg)
+        finished.sort(key=lambda x: (x.prompt.draw, x.sample))
+        wall = time.perf_counter() - start
+        metrics = rollout_metrics(finished, self.cfg.sampler.pass_threshold, wall)
+        metrics.update({f"groups_{k}": float(self.groups.counts[k] - before[k]) for k in COUNTS}, **failures)
+        metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
+        metrics.update(monitor_counts([x.report for x in finished]))
+        metrics.update(self.sampler.summary())
+        return ProducedBatch(index, batch, trainable, versions, metrics, [(x.key, x.report) for x in finished],
+                             json.loads(json.dumps(self.sampler.state_dict())), self.groups.state_dict(),
+                             (start, time.perf_counter()))

@@ -1,0 +1,149 @@
+"""`composer-jax rl` run configs: the model, the fused step (`rl`), rollout production, the environment
+and its tasks, rewards, task sampling, the reward-hacking monitor, the warm start, periodic evaluation
+and checkpoints. Read like the pretraining run configs (`train.config.load_config_with_model`: a named
+model is inlined, `a.b=value` overrides, errors name the dotted key)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal
+
+from composer_jax.config import ConfigError, MeshConfig, ModelConfig
+from composer_jax.envs.monitor import MonitorConfig
+from composer_jax.envs.protocol import FORMATS
+from composer_jax.envs.rewards import RewardConfig
+from composer_jax.envs.toy import FAMILIES
+from composer_jax.rl.config import RLConfig
+from composer_jax.rl.sampler import SamplerConfig
+from composer_jax.train.config import CheckpointConfig, load_config_with_model
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How rollouts are produced (the inference engine, driven from one thread; episodes in threads)."""
+
+    batch_size: int = 16            # trajectories per step: batch_size / rl.group_size prompts
+    devices: int = 0                # 0: the engine shares the learner's devices; K: the engine on the last K, the learner on the rest
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: no limit
+    max_new_tokens: int = 16        # per assistant turn
+    max_len: int = 128              # tokens per trajectory (the engine's context and the step's row length)
+    max_slots: int = 16             # episodes decoding at once
+    steps_per_call: int = 8         # decode steps per engine call
+    timeout_s: float = 120.0        # a rollout running longer is lost (its environment hung)
+    on_lost: Literal["refill", "drop"] = "refill"   # a lost rollout: run one more for its group, or drop the group
+    max_refills: int = 2            # refills per group before it is dropped
+    feedback_slots: int = 1         # teacher slots per trajectory (flagged turns with a hint)
+    feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn
+
+    def __post_init__(self):
+        for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        for name in ("devices", "max_refills", "feedback_slots", "top_k"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.max_len < 8:
+            raise ConfigError("max_len", f"must be >= 8, got {self.max_len}")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """The environment and its training / held-out tasks."""
+
+    kind: Literal["toy", "coding"] = "toy"
+    format: str = "plain"           # tool-call format (plain: <tool_call> text for byte-level models)
+    family: str = "add"             # toy: add, copy or reverse
+    length: int = 3                 # toy: letters per word
+    use_tool: bool = False          # toy: answer through a `submit` tool call
+    tasks: int = 64                 # toy: training tasks
+    eval_tasks: int = 16            # toy: held-out tasks (prompts not among the training ones)
+    tasks_dir: str = ""             # coding: the training tasks (composer-jax tasks feature-deletion output)
+    eval_dir: str = ""              # coding: held-out tasks ("": none)
+    max_turns: int = 4              # coding: assistant turns per episode
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ConfigError("format", f"must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError("family", f"must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        for name in ("length", "tasks", "max_turns"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.eval_tasks < 0:
+            raise ConfigError("eval_tasks", f"must be >= 0, got {self.eval_tasks}")
+        if self.kind == "coding" and not self.tasks_dir:
+            raise ConfigError("tasks_dir", "the coding environment needs a task directory (composer-jax tasks "
+                                           "feature-deletion REPO OUT)")
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised steps on demonstrations before RL (toy tasks): a random model's chance reward is ~0."""
+
+    steps: int = 0                  # 0: none
+    lr: float = 3e-3
+    batch_size: int = 32            # demonstrations per step
+    tasks: int = 256                # demonstration tasks (drawn with their own seed)
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size <= 0 or self.tasks <= 0 or self.lr <= 0:
+            raise ConfigError("steps", "steps must be >= 0; batch_size, tasks and lr > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    every: int = 0                  # pass@1 on the held-out tasks every N steps and at the end (0: never)
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError("every", f"must be >= 0, got {self.every}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLRunConfig:
+    model: ModelConfig
+    mesh: MeshConfig = MeshConfig()
+    rl: RLConfig = RLConfig()       # the fused step; rl.steps is the run's length, rl.max_staleness its lag bound
+    rollout: RolloutConfig = RolloutConfig()
+    env: EnvConfig = EnvConfig()
+    rewards: RewardConfig = RewardConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    monitor: MonitorConfig = MonitorConfig()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    eval: EvalSettings = EvalSettings()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    seed: int = 0                   # model initialisation and rollout sampling
+    cpu_devices: int = 8            # fake host devices for CPU runs (set before JAX starts)
+    progress: bool = True           # the progress bar (stderr)
+    run_dir: str = "runs/rl"
+
+    def __post_init__(self):
+        if self.rollout.batch_size % self.rl.group_size:
+            raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories per step are not a whole "
+                                                    f"number of groups of rl.group_size={self.rl.group_size}")
+        limit = self.model.rope.max_position_embeddings
+        if self.rollout.max_len > limit:
+            raise ConfigError("rollout.max_len", f"{self.rollout.max_len} is longer than the model supports "
+                                                 f"(model.rope.max_position_embeddings={limit})")
+        if not self.run_dir:
+            raise ConfigError("run_dir", "is empty")
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.rollout.batch_size // self.rl.group_size
+
+
+def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
+    """An RL run YAML (a path or a bundled name such as rl-tiny), overrides applied, validated; run and
+    task paths made absolute."""
+    cfg = load_config_with_model(RLRunConfig, path_or_name, overrides)
+    absolute = lambda p: str(Path(p).expanduser().absolute()) if p else p  # noqa: E731
+    env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir))
+    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env)

@@ -1,0 +1,63 @@
+"""The RL run's environment and task sets: training tasks (by id, for the sampler), held-out tasks (for
+the periodic pass@1, run by `composer_jax.eval.evaluate`) and a factory of fresh environments."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+from composer_jax.config import ConfigError
+from composer_jax.envs import ToyEnv, get_format, toy_tasks
+from composer_jax.rl.run_config import EnvConfig
+
+
+@dataclasses.dataclass
+class TaskSets:
+    train: dict[str, object]            # id -> task
+    held_out: list                      # tasks for the periodic evaluation (may be empty)
+    make_env: Callable[[], object]      # a fresh environment for one episode
+    workspace: str                      # where the environment's commands see the repository (monitor)
+    sandbox: object = None              # the coding environment's Sandbox (None for toy tasks)
+
+
+def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
+    fmt = get_format(cfg.format)
+    train = toy_tasks(cfg.family, cfg.tasks, seed=seed, length=cfg.length)
+    seen = {t.prompt for t in train}
+    held_out = [t for t in toy_tasks(cfg.family, 4 * cfg.eval_tasks, seed=seed + 1, length=cfg.length)
+                if t.prompt not in seen][:cfg.eval_tasks]
+    unique = {}
+    for task in train:                  # the same prompt drawn twice is one task
+        unique.setdefault(task.prompt, task)
+    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace")
+
+
+def _coding_tasks(directory: str, key: str) -> list:
+    from composer_jax.eval.errors import EvalError
+    from composer_jax.eval.runner import load_task_set
+
+    try:
+        return load_task_set(directory)
+    except (EvalError, ValueError, OSError) as e:
+        raise ConfigError(key, str(e).splitlines()[0]) from None
+
+
+def coding_task_sets(cfg: EnvConfig) -> TaskSets:
+    from composer_jax.eval.runner import coding_env
+    from composer_jax.sandbox import Sandbox
+
+    train = _coding_tasks(cfg.tasks_dir, "env.tasks_dir")
+    held_out = _coding_tasks(cfg.eval_dir, "env.eval_dir") if cfg.eval_dir else []
+    sandbox = Sandbox()
+    make_env = coding_env(sandbox, get_format(cfg.format), cfg.max_turns)
+    return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace", sandbox)
+
+
+def task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
+    """The task sets `cfg` describes; a coding task directory without tasks is a ConfigError naming it."""
+    if cfg.kind == "coding":
+        if not Path(cfg.tasks_dir).is_dir():
+            raise ConfigError("env.tasks_dir", f"{cfg.tasks_dir}: does not exist or is not a directory")
+        return coding_task_sets(cfg)
+    return toy_task_sets(cfg, seed)

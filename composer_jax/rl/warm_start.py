@@ -1,0 +1,70 @@
+"""A short supervised warm start before RL: a randomly initialised byte-level model almost never writes
+a well-formed answer, so its rewards are all 0 and every group is dropped. A few steps of the
+pretraining / SFT step (`train.step.make_train_step`, loss on the assistant's tokens only) on
+demonstrations (each task's solving message, `env.demonstration(task)`) give it a non-trivial pass
+rate for RL to raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.envs import TokenEpisode
+from composer_jax.model import CausalLM
+from composer_jax.parallel.mesh import BATCH_AXES
+from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.train.config import OptimizerConfig, RunConfig, TrainConfig
+from composer_jax.train.optimizer import make_optimizer
+from composer_jax.train.state import TrainState, split_model
+from composer_jax.train.step import make_train_step
+
+
+def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int) -> dict[str, np.ndarray]:
+    """The pretraining step's features int32[N, seq_len] (tokens, segment_ids, positions, loss_mask):
+    each task's prompt as the episode renders it, then its solving message and the end-of-turn marker
+    (the loss mask covers these), right-padded."""
+    tokens, segments, mask = (np.zeros((len(tasks), seq_len), np.int32) for _ in range(3))
+    for row, task in enumerate(tasks):
+        prompt = TokenEpisode(env, tokenizer).start(task)
+        answer = np.asarray(tokenizer.encode(env.demonstration(task) + env.fmt.end_of_turn), np.int32)
+        n = len(prompt) + len(answer)
+        if n > seq_len:
+            raise ValueError(f"warm start: task {task.id} needs {n} tokens, more than rollout.max_len={seq_len}")
+        tokens[row, :n], segments[row, :n] = np.concatenate([prompt, answer]), 1
+        mask[row, len(prompt):n] = 1
+    positions = np.where(segments > 0, np.arange(seq_len, dtype=np.int32)[None], 0).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": segments, "positions": positions, "loss_mask": mask}
+
+
+def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) -> tuple[CausalLM, float]:
+    """`cfg.warm_start.steps` supervised steps on random batches of `demonstrations(...)`; returns (the trained model, the last step's cross-entropy). The arrays of
+    `model` are donated: use the returned model."""
+    ws = cfg.warm_start
+    run = RunConfig(model=cfg.model, mesh=cfg.mesh,
+                    train=TrainConfig(steps=ws.steps, batch_size=ws.batch_size, seq_len=demos['tokens'].shape[1],
+                                      loss_chunk=cfg.rl.loss_chunk, seed=cfg.seed),
+                    optimizer=OptimizerConfig(lr=ws.lr, warmup_steps=max(1, ws.steps // 10), weight_decay=0.0))
+    graphdef, params, biases, rest = split_model(model)
+    dual = model.mesh
+    opt = make_optimizer(run.optimizer, ws.steps, params, dual.meshes)
+    step = jax.jit(make_train_step(run, graphdef, rest, opt), donate_argnums=0)
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731  (two buffers: both are donated)
+    state = TrainState(zero(), params, biases, opt.tx.init(params), zero())
+    sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
+    rng = np.random.default_rng(cfg.seed)
+    ce = float("nan")
+    with dual:
+        for _ in range(ws.steps):
+            rows = rng.choice(len(demos["tokens"]), ws.batch_size, replace=len(demos["tokens"]) < ws.batch_size)
+            batch = {k: jax.make_array_from_process_local_data(sharding, v[rows][None]) for k, v in demos.items()}
+            state, metrics = step(state, batch)
+        if ws.steps:
+            ce = float(jax.device_get(metrics["ce"]))
+    return nnx.merge(graphdef, state.params, state.biases, rest), ce
