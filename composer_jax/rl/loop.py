@@ -46,7 +46,7 @@ from composer_jax.rl.rollout import ProducedBatch, RolloutProducer
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.step import RLStep
-from composer_jax.rl.task_sets import task_sets
+from composer_jax.rl.task_sets import TaskSets, task_sets
 from composer_jax.rl.warm_start import demonstrations, warm_start
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.checkpoints import RunCheckpoints
@@ -91,11 +91,11 @@ def _staleness(produced: ProducedBatch, version: int) -> np.ndarray:
 
 class RLTrainer:
     """One RL run: tasks, learner, engine, producer, checkpoints and metrics. Building it writes nothing
-    to disk; `run()` creates RUN_DIR."""
+    to disk; `run()` creates RUN_DIR. `tasks`: the task sets (default: those `cfg.env` describes)."""
 
-    def __init__(self, cfg: RLRunConfig):
+    def __init__(self, cfg: RLRunConfig, tasks: TaskSets | None = None):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.tasks = task_sets(cfg.env, cfg.seed)
+        self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed)
         self.tokenizer = ByteTokenizer()
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the byte tokenizer's "
@@ -226,6 +226,7 @@ class RLTrainer:
                               "rollout_busy_fraction": overlap.busy("rollout") / wall,
                               "learner_busy_fraction": overlap.busy("learner") / wall,
                               "dropped_stale_batches": float(dropped_stale),
+                              "batch_draws": produced.draws,
                               "trained_draws": [g.prompt.draw for g in produced.groups],
                               "trained_tasks": [g.prompt.task_id for g in produced.groups]}
                     write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,

@@ -62,6 +62,7 @@ class Rollout:
 class ProducedBatch:
     index: int                  # the policy version that trains on it (the step it is for)
     batch: RolloutBatch
+    draws: list[int]            # the draw numbers of every prompt drawn for it (consumed, trained or dropped)
     groups: list[Group]         # the trained groups, by draw
     row_versions: np.ndarray    # int[2, B]: oldest and newest weights version among each row's tokens (-1: padding)
     metrics: dict               # rollout statistics of the batch (all finished episodes, trained or not)
@@ -280,6 +281,6 @@ class RolloutProducer:
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
-        return ProducedBatch(index, batch, trainable, versions, metrics, [(x.key, x.report) for x in finished],
-                             json.loads(json.dumps(self.sampler.state_dict())), self.groups.state_dict(),
-                             (start, time.perf_counter()))
+        return ProducedBatch(index, batch, [p.draw for p in prompts], trainable, versions, metrics,
+                             [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),
+                             self.groups.state_dict(), (start, time.perf_counter()))

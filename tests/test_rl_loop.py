@@ -1,0 +1,189 @@
+"""The asynchronous RL loop (`composer-jax rl`): staleness 0 equals a plain synchronous loop step for
+step; with staleness k no trained batch is older than k versions (from the recorded token versions);
+environments that crash or hang lose rollouts, the run counts them and goes on; SIGKILL then restart
+continues the policy version and never trains a consumed prompt twice; bad inputs are one-line errors.
+
+The tiny model with random weights and a test environment whose reward has a ~1/4 chance (the parity
+of the answer's first character), so groups carry signal without a warm start; turns it does not
+reward are flagged (targeted feedback trains on them)."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import cli
+from composer_jax.envs import Flag, HintContext, get_format, toy_tasks
+from composer_jax.envs.feedback import NO_ACTION
+from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.model import CausalLM
+from composer_jax.parallel import shard_model
+from composer_jax.rl.groups import GroupAssembler
+from composer_jax.rl.loop import RLTrainer
+from composer_jax.rl.rollout import RolloutProducer
+from composer_jax.rl.run_config import load_rl_config
+from composer_jax.rl.sampler import TaskSampler
+from composer_jax.rl.task_sets import TaskSets
+from composer_jax.train.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+# Small shapes: 8 rows (2 prompts x 4 samples) of 64 tokens, 6-token answers, one teacher slot of 128.
+TINY = ["model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense",
+        "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8", "rollout.max_new_tokens=6",
+        "rollout.max_len=64", "rollout.max_slots=8", "rollout.feedback_window=128", "warm_start.steps=0",
+        "progress=false", "checkpoint.async_save=false"]
+
+
+class ParityEnv:
+    """Single turn: reward 1 when the answer's first character has an even code point (about 1 in 4
+    for a random byte-level model), else 0 and the turn is flagged. Tasks whose id holds 'crash' raise in
+    step(); 'hang' sleeps `hang_s` first (longer than the rollout timeout)."""
+
+    tools = ()
+
+    def __init__(self, hang_s: float = 0.0):
+        self.fmt, self.hang_s = get_format("plain"), hang_s
+
+    @property
+    def hint_context(self):
+        return HintContext((), "")
+
+    def reset(self, task):
+        self.task = task
+        return [{"role": "user", "content": task.prompt}]
+
+    def step(self, text):
+        if "crash" in self.task.id:
+            raise RuntimeError("the environment crashed")
+        if "hang" in self.task.id:
+            time.sleep(self.hang_s)
+        reward = float(bool(text) and ord(text[0]) % 2 == 0)
+        flags = [] if reward else [Flag(NO_ACTION, "odd")]
+        return [], True, {"turn": 1, "flags": flags, "task_reward": reward, "turns": 1, "tool_calls": 0,
+                          "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
+
+
+def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0) -> TaskSets:
+    tasks = toy_tasks("copy", 6, seed=5, length=2)
+    if crash_and_hang:
+        tasks[0] = dataclasses.replace(tasks[0], id="crash-0")
+        tasks[1] = dataclasses.replace(tasks[1], id="hang-1")
+    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace")
+
+
+def _config(run_dir, *overrides):
+    return load_rl_config("rl-tiny", [*TINY, f"run_dir={run_dir}", *overrides])
+
+
+def _records(run_dir):
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
+    """rl.max_staleness=0: the asynchronous loop's losses, rewards and trained prompts equal those of a
+    plain loop that samples a batch with the current weights, then trains on it, step after step."""
+    steps = 3
+    cfg = _config(tmp_path / "async", "rl.max_staleness=0", f"rl.steps={steps}")
+    trainer = RLTrainer(cfg, parity_tasks())
+    summary = trainer.run()
+    records = _records(cfg.run_dir)
+    assert summary["end_step"] == steps and [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness_max"] == 0 for r in records)
+
+    # The synchronous reference: the same initial model, sampler and seeds; the compiled step is reused.
+    model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    tasks = parity_tasks()
+    with trainer.dual:
+        shard_model(model, trainer.dual)
+        state = trainer.rl_step.init_state(model)
+        sampler = TaskSampler(list(tasks.train), cfg.sampler)
+        r = cfg.rollout
+        agent = EngineAgent(model, trainer.tokenizer, "reference", EngineAgentConfig(
+            temperature=r.temperature, max_new_tokens=r.max_new_tokens, max_len=r.max_len, max_slots=r.max_slots,
+            steps_per_call=r.steps_per_call, format="plain"))
+        producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler,
+                                   GroupAssembler(cfg.rl.group_size, sampler), cfg)
+        try:
+            for step in range(steps):
+                policy = nnx.merge(trainer.rl_step.graphdef, state.params, state.biases, trainer.rl_step.rest)
+                agent.update_weights(agent.engine.place_weights(policy), step)
+                produced = producer.produce(step)
+                state, metrics = trainer.rl_step(state, produced.batch)
+                metrics = jax.device_get(metrics)
+                ours = records[step]
+                assert ours["trained_draws"] == [g.prompt.draw for g in produced.groups]
+                assert ours["reward_mean"] == produced.metrics["reward_mean"]
+                for name in ("loss", "loss_pg", "loss_sd", "grad_norm"):
+                    assert ours[name] == pytest.approx(float(metrics[name]), rel=1e-6, abs=1e-9), (step, name)
+        finally:
+            agent.close()
+    assert any(r["loss_sd"] > 0 for r in records) and any(r["groups_trainable"] > 0 for r in records)
+
+
+def test_staleness_bound_and_lost_rollouts(tmp_path):
+    """rl.max_staleness=2 with the engine on its own 2 devices: every trained row's tokens come from a
+    version at most 2 behind the learner's (and the producer does run ahead); an environment that
+    crashes and one that hangs past the timeout lose rollouts, which are counted, and every step still
+    trains the rest."""
+    steps = 4
+    cfg = _config(tmp_path / "run", "rl.max_staleness=2", f"rl.steps={steps}", "rollout.devices=2",
+                  "rollout.timeout_s=2", "rollout.max_refills=1")
+    summary = RLTrainer(cfg, parity_tasks(crash_and_hang=True, hang_s=6.0)).run()
+    records = _records(cfg.run_dir)
+    assert summary["end_step"] == steps and [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert 0 <= (r["step"] - 1) - r["batch_version_min"] == r["staleness_max"] <= 2
+    assert max(r["staleness_max"] for r in records) >= 1, "the producer never ran ahead of the learner"
+    assert sum(r["rollouts_crashed"] for r in records) > 0 and sum(r["rollouts_hung"] for r in records) > 0
+    assert sum(r["groups_dropped_lost"] for r in records) > 0
+    assert sum(r["rollouts"] for r in records) > 0 and all(np.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.slow
+def test_sigkill_then_restart_continues(tmp_path):
+    """`composer-jax rl` killed with SIGKILL after its checkpoint at step 2, then started again with the
+    same command: it resumes at policy version 2, runs to the end, and the prompts drawn over the
+    whole run (consumed whether trained or dropped) are each drawn once, in sequence."""
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "composer_jax.cli", "rl", *TINY, f"run_dir={run_dir}", "rl.steps=5",
+            "checkpoint.every=2", "env.tasks=8"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 600
+    while not (run_dir / "checkpoints" / "2").is_dir() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(1.0)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert first.returncode == -signal.SIGKILL, first.stdout.read().decode()[-2000:]
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "steps 2 -> 5" in second.stdout, second.stdout
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
+    draws = [d for r in records for d in r["batch_draws"]]
+    assert draws == list(range(len(draws))), draws
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["rollout.batch_size=10", "rl.group_size=4"], "rollout.batch_size"),
+    (["rewards.style_weight=1"], "rewards.style_weight"),
+    (["env.kind=coding", "env.tasks_dir={empty}", "warm_start.steps=0"], "env.tasks_dir"),
+])
+def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
+    empty = tmp_path / "tasks"
+    empty.mkdir()
+    status = cli.main(["rl", f"run_dir={tmp_path / 'run'}", *[o.format(empty=empty) for o in overrides]])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and key in err, err
+    assert not (tmp_path / "run").exists()
