@@ -29,17 +29,17 @@ from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.loop import RLTrainer
-from composer_jax.rl.rollout import RolloutProducer
+from composer_jax.rl.rollout import RolloutProducer, engine_context
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.task_sets import TaskSets
 from composer_jax.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-# Small shapes: 8 rows (2 prompts x 4 samples) of 64 tokens, 6-token answers, one teacher slot of 128.
+# Small shapes: 8 rows (2 prompts x 4 samples) of 80 tokens, 6-token answers, one teacher slot of 128.
 TINY = ["model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense",
         "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8", "rollout.max_new_tokens=6",
-        "rollout.max_len=64", "rollout.max_slots=8", "rollout.feedback_window=128", "warm_start.steps=0",
+        "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128", "warm_start.steps=0",
         "progress=false", "checkpoint.async_save=false"]
 
 
@@ -108,7 +108,8 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
         sampler = TaskSampler(list(tasks.train), cfg.sampler)
         r = cfg.rollout
         agent = EngineAgent(model, trainer.tokenizer, "reference", EngineAgentConfig(
-            temperature=r.temperature, max_new_tokens=r.max_new_tokens, max_len=r.max_len, max_slots=r.max_slots,
+            temperature=r.temperature, max_new_tokens=r.max_new_tokens, max_slots=r.max_slots,
+            max_len=engine_context(cfg, trainer.tokenizer, get_format("plain")),
             steps_per_call=r.steps_per_call, format="plain"))
         producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler,
                                    GroupAssembler(cfg.rl.group_size, sampler), cfg)

@@ -34,7 +34,7 @@ from flax import nnx
 
 from composer_jax.config import ConfigError, MeshConfig, to_dict
 from composer_jax.data.tokenizer import ByteTokenizer
-from composer_jax.envs import write_examples
+from composer_jax.envs import get_format, write_examples
 from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
@@ -42,7 +42,7 @@ from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.ingest import data_shards
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.rollout import ProducedBatch, RolloutProducer
+from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_context
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.step import RLStep
@@ -146,8 +146,9 @@ class RLTrainer:
 
     def _engine_agent(self, model: CausalLM, engine_devices: list | None) -> EngineAgent:
         r = self.cfg.rollout
+        context = engine_context(self.cfg, self.tokenizer, get_format(self.cfg.env.format))
         config = EngineAgentConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                   max_new_tokens=r.max_new_tokens, max_len=r.max_len, max_slots=r.max_slots,
+                                   max_new_tokens=r.max_new_tokens, max_len=context, max_slots=r.max_slots,
                                    steps_per_call=r.steps_per_call, format=self.cfg.env.format)
         source = model
         if engine_devices is not None:      # the engine's own grid; its weights come from the learner below

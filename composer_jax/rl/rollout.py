@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from composer_jax.config import ConfigError
 from composer_jax.envs import Monitor, Report, TokenEpisode, monitor_counts, rollout_fields
 from composer_jax.eval.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
@@ -70,6 +71,15 @@ class ProducedBatch:
     sampler_state: dict         # the sampler once this batch's groups were recorded (what a checkpoint keeps)
     group_counts: dict
     busy: tuple[float, float]   # perf_counter() interval spent producing it
+
+
+def engine_context(cfg: RLRunConfig, tokenizer, fmt) -> int:
+    """The engine's context per episode: a trajectory row (rollout.max_len tokens) less the tokens the
+    episode appends after its last turn (the end-of-turn marker and the template's suffix)."""
+    context = cfg.rollout.max_len - len(tokenizer.encode(fmt.end_of_turn + fmt.turn_suffix))
+    if context < 2:
+        raise ConfigError("rollout.max_len", f"{cfg.rollout.max_len} tokens leave no room for a turn")
+    return context
 
 
 def padding_rows(rows: int, seq_len: int, first_group: int, group_size: int, slots: int, window: int) -> dict:
