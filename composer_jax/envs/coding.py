@@ -62,6 +62,10 @@ class CodingEnv:
         return HintContext(TOOL_NAMES, self.fmt.render_call("read_file", {"path": "README.md"}),
                            self.config.max_output_chars)
 
+    def demonstration(self, task: Task) -> str:
+        """A first turn that acts (a warm start's target): run the task's tests."""
+        return self.fmt.render_call("run", {"command": task.test_command})
+
     def reset(self, task: Task) -> list[dict]:
         self.close()
         self._tmp = Path(tempfile.mkdtemp(prefix=f"composer_jax-env-{task.id}-"))

@@ -91,11 +91,11 @@ def _staleness(produced: ProducedBatch, version: int) -> np.ndarray:
 
 class RLTrainer:
     """One RL run: tasks, learner, engine, producer, checkpoints and metrics. Building it writes nothing
-    to disk; `run()` creates RUN_DIR. `tasks`: the task sets (default: those `cfg.env` describes)."""
+    to disk but coding tasks made from `env.repo` (RUN_DIR/tasks); `run()` writes the rest. `tasks`: the task sets (default: those `cfg.env` describes)."""
 
     def __init__(self, cfg: RLRunConfig, tasks: TaskSets | None = None):
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed)
+        self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir, cfg.warm_start.tasks)
         self.tokenizer = ByteTokenizer()
         if self.tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the byte tokenizer's "
@@ -123,9 +123,13 @@ class RLTrainer:
             self.warm_ce = None
             # The warm start runs on a fresh run, and again on a resumed one that needs its reference policy.
             if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
-                demo_tasks = toy_demo_tasks(cfg)
-                model, self.warm_ce = warm_start(model, cfg, demonstrations(self.tasks.make_env(), self.tokenizer,
-                                                                            demo_tasks, cfg.rollout.max_len))
+                env = self.tasks.make_env()
+                try:
+                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, cfg.rollout.max_len)
+                finally:
+                    if hasattr(env, "close"):
+                        env.close()
+                model, self.warm_ce = warm_start(model, cfg, demos)
             self.reference = ReferencePolicy(model, cfg.rl.loss_chunk) if cfg.rl.kl_coef > 0 else None
             self.rl_step = RLStep(model, cfg.rl)
             self.state = self.rl_step.init_state(model)
@@ -264,16 +268,6 @@ class RLTrainer:
             writer.close()
             self.checkpoints.close()
         return summary
-
-
-def toy_demo_tasks(cfg: RLRunConfig) -> list:
-    """The warm start's demonstration tasks: toy tasks of the run's family, drawn with their own seed."""
-    from composer_jax.envs import toy_tasks
-
-    if cfg.env.kind != "toy":
-        raise ConfigError("warm_start.steps", "the warm start demonstrates toy tasks only; set it to 0 for "
-                                              f"env.kind={cfg.env.kind}")
-    return toy_tasks(cfg.env.family, cfg.warm_start.tasks, seed=cfg.seed + 2, length=cfg.env.length)
 
 
 def train_rl(cfg: RLRunConfig) -> dict:

@@ -9,7 +9,7 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from composer_jax.config import ConfigError, MeshConfig, ModelConfig
+from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig
 from composer_jax.envs.monitor import MonitorConfig
 from composer_jax.envs.protocol import FORMATS
 from composer_jax.envs.rewards import RewardConfig
@@ -66,6 +66,8 @@ class EnvConfig:
     eval_tasks: int = 16            # toy: held-out tasks (prompts not among the training ones)
     tasks_dir: str = ""             # coding: the training tasks (composer-jax tasks feature-deletion output)
     eval_dir: str = ""              # coding: held-out tasks ("": none)
+    repo: str = ""                  # coding without tasks_dir: make tasks from this repository (feature deletion) in RUN_DIR/tasks
+    max_tasks: int = 20             # coding with repo: tasks to make (the last eval_tasks of them are held out)
     max_turns: int = 4              # coding: assistant turns per episode
 
     def __post_init__(self):
@@ -78,9 +80,9 @@ class EnvConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.eval_tasks < 0:
             raise ConfigError("eval_tasks", f"must be >= 0, got {self.eval_tasks}")
-        if self.kind == "coding" and not self.tasks_dir:
+        if self.kind == "coding" and not (self.tasks_dir or self.repo):
             raise ConfigError("tasks_dir", "the coding environment needs a task directory (composer-jax tasks "
-                                           "feature-deletion REPO OUT)")
+                                           "feature-deletion REPO OUT) or a repository to make tasks from (env.repo)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,5 +147,9 @@ def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
     task paths made absolute."""
     cfg = load_config_with_model(RLRunConfig, path_or_name, overrides)
     absolute = lambda p: str(Path(p).expanduser().absolute()) if p else p  # noqa: E731
-    env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir))
+    repo = cfg.env.repo
+    if repo and not Path(repo).expanduser().exists() and (CONFIG_DIR / repo).is_dir():   # shipped with the configs
+        repo = str(CONFIG_DIR / repo)
+    env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir),
+                              repo=absolute(repo))
     return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env)

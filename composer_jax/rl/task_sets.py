@@ -1,9 +1,12 @@
 """The RL run's environment and task sets: training tasks (by id, for the sampler), held-out tasks (for
-the periodic pass@1, run by `composer_jax.eval.evaluate`) and a factory of fresh environments."""
+the periodic pass@1, run by `composer_jax.eval.evaluate`), the warm start's demonstration tasks and a
+factory of fresh environments. Coding tasks come from a task directory, or are made once from a
+repository by feature deletion (`composer-jax tasks feature-deletion`) into RUN_DIR/tasks."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,10 +21,10 @@ class TaskSets:
     held_out: list                      # tasks for the periodic evaluation (may be empty)
     make_env: Callable[[], object]      # a fresh environment for one episode
     workspace: str                      # where the environment's commands see the repository (monitor)
-    sandbox: object = None              # the coding environment's Sandbox (None for toy tasks)
+    demos: list = dataclasses.field(default_factory=list)   # the warm start's tasks (env.demonstration(task))
 
 
-def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
+def toy_task_sets(cfg: EnvConfig, seed: int, demos: int = 0) -> TaskSets:
     fmt = get_format(cfg.format)
     train = toy_tasks(cfg.family, cfg.tasks, seed=seed, length=cfg.length)
     seen = {t.prompt for t in train}
@@ -30,7 +33,8 @@ def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
     unique = {}
     for task in train:                  # the same prompt drawn twice is one task
         unique.setdefault(task.prompt, task)
-    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace")
+    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace",
+                    toy_tasks(cfg.family, demos, seed=seed + 2, length=cfg.length))
 
 
 def _coding_tasks(directory: str, key: str) -> list:
@@ -43,21 +47,42 @@ def _coding_tasks(directory: str, key: str) -> list:
         raise ConfigError(key, str(e).splitlines()[0]) from None
 
 
-def coding_task_sets(cfg: EnvConfig) -> TaskSets:
+def make_coding_tasks(cfg: EnvConfig, out_dir: Path, seed: int) -> None:
+    """Feature-deletion tasks from `cfg.repo` into `out_dir` (once: a run that resumes reuses them)."""
+    from composer_jax.tasks.feature_deletion import FeatureDeletionConfig, FeatureDeletionError, generate_tasks
+
+    if (out_dir / "report.json").is_file():
+        return
+    if out_dir.exists():                      # an attempt that did not finish
+        shutil.rmtree(out_dir)
+    try:
+        generate_tasks(cfg.repo, out_dir, FeatureDeletionConfig(max_tasks=cfg.max_tasks, seed=seed))
+    except FeatureDeletionError as e:
+        raise ConfigError("env.repo", str(e).splitlines()[0]) from None
+
+
+def coding_task_sets(cfg: EnvConfig, run_dir: Path, seed: int) -> TaskSets:
     from composer_jax.eval.runner import coding_env
     from composer_jax.sandbox import Sandbox
 
-    train = _coding_tasks(cfg.tasks_dir, "env.tasks_dir")
-    held_out = _coding_tasks(cfg.eval_dir, "env.eval_dir") if cfg.eval_dir else []
+    if cfg.tasks_dir:
+        train = _coding_tasks(cfg.tasks_dir, "env.tasks_dir")
+        held_out = _coding_tasks(cfg.eval_dir, "env.eval_dir") if cfg.eval_dir else []
+    else:
+        make_coding_tasks(cfg, run_dir / "tasks", seed)
+        made = _coding_tasks(str(run_dir / "tasks"), "env.repo")
+        split = max(1, len(made) - cfg.eval_tasks)
+        train, held_out = made[:split], made[split:]
     sandbox = Sandbox()
     make_env = coding_env(sandbox, get_format(cfg.format), cfg.max_turns)
-    return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace", sandbox)
+    return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace", train)
 
 
-def task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
-    """The task sets `cfg` describes; a coding task directory without tasks is a ConfigError naming it."""
+def task_sets(cfg: EnvConfig, seed: int, run_dir: str | Path, demos: int = 0) -> TaskSets:
+    """The task sets `cfg` describes (`demos`: toy demonstration tasks for the warm start); a coding task
+    directory without tasks is a ConfigError naming it."""
     if cfg.kind == "coding":
-        if not Path(cfg.tasks_dir).is_dir():
+        if cfg.tasks_dir and not Path(cfg.tasks_dir).is_dir():
             raise ConfigError("env.tasks_dir", f"{cfg.tasks_dir}: does not exist or is not a directory")
-        return coding_task_sets(cfg)
-    return toy_task_sets(cfg, seed)
+        return coding_task_sets(cfg, Path(run_dir), seed)
+    return toy_task_sets(cfg, seed, demos)

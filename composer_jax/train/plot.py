@@ -26,6 +26,23 @@ FIGURES = {
     "grad_norm": ("Gradient norm (before clipping)", {LEFT: "global norm"}, [("grad_norm", "grad norm", LEFT)]),
     "router": ("Expert load balance", {LEFT: "max / mean load"},
                [("expert_load_max_over_mean", "main MoE layers", LEFT)]),
+    # RL runs (composer-jax rl)
+    "reward": ("Reward", {LEFT: "reward / pass rate"},
+               [("reward_mean", "mean reward (rollouts)", LEFT), ("pass_rate", "pass rate (rollouts)", LEFT),
+                ("eval_pass@1", "held-out pass@1", LEFT)]),
+    "rl_loss": ("RL loss terms", {LEFT: "loss"},
+                [("loss_pg", "policy gradient", LEFT), ("loss_sd", "self-distillation", LEFT),
+                 ("loss_kl", "KL (k2)", LEFT), ("loss_mtp", "MTP distillation", LEFT)]),
+    "rl_rollouts": ("Rollouts", {LEFT: "rate", RIGHT: "tokens / turn"},
+                    [("tool_error_rate", "tool-error rate", LEFT), ("groups_dropped_zero_variance",
+                                                                     "groups dropped (no signal)", LEFT),
+                     ("response_length_mean", "response length", RIGHT)]),
+    "rl_throughput": ("RL throughput", {LEFT: "tokens / s", RIGHT: "fraction of wall time"},
+                      [("rollout_tokens_per_s", "rollout tokens/s", LEFT),
+                       ("learner_tokens_per_s", "learner tokens/s", LEFT),
+                       ("overlap_fraction", "rollout and learning overlap", RIGHT)]),
+    "staleness": ("Staleness", {LEFT: "policy versions"},
+                  [("staleness_mean", "mean", LEFT), ("staleness_max", "max", LEFT)]),
 }
 
 
