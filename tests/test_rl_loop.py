@@ -10,6 +10,7 @@ reward are flagged (targeted feedback trains on them)."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,12 +24,12 @@ from flax import nnx
 
 from composer_jax import cli
 from composer_jax.envs import Flag, HintContext, get_format, toy_tasks
-from composer_jax.envs.feedback import NO_ACTION
+from composer_jax.envs.feedback import NO_ACTION, TEST_FILE_EDIT
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
 from composer_jax.rl.groups import GroupAssembler
-from composer_jax.rl.loop import RLTrainer
+from composer_jax.rl.loop import Overlap, RLTrainer
 from composer_jax.rl.rollout import RolloutProducer, engine_context
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
@@ -46,7 +47,7 @@ TINY = ["model.rope.factor=16", "model.rope.max_position_embeddings=256", "model
 class ParityEnv:
     """Single turn: reward 1 when the answer's first character has an even code point (about 1 in 4
     for a random byte-level model), else 0 and the turn is flagged. Tasks whose id holds 'crash' raise in
-    step(); 'hang' sleeps `hang_s` first (longer than the rollout timeout)."""
+    step(); 'hang' sleeps `hang_s` first (longer than the rollout timeout); 'cheat' edits a test file."""
 
     tools = ()
 
@@ -68,6 +69,8 @@ class ParityEnv:
             time.sleep(self.hang_s)
         reward = float(bool(text) and ord(text[0]) % 2 == 0)
         flags = [] if reward else [Flag(NO_ACTION, "odd")]
+        if "cheat" in self.task.id:       # what the reward-hacking monitor catches
+            flags.append(Flag(TEST_FILE_EDIT, "tests/test_a.py"))
         return [], True, {"turn": 1, "flags": flags, "task_reward": reward, "turns": 1, "tool_calls": 0,
                           "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
 
@@ -77,6 +80,7 @@ def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0) -> TaskSets:
     if crash_and_hang:
         tasks[0] = dataclasses.replace(tasks[0], id="crash-0")
         tasks[1] = dataclasses.replace(tasks[1], id="hang-1")
+        tasks[2] = dataclasses.replace(tasks[2], id="cheat-2")
     return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace")
 
 
@@ -131,13 +135,14 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
 
 
 def test_staleness_bound_and_lost_rollouts(tmp_path):
-    """rl.max_staleness=2 with the engine on its own 2 devices: every trained row's tokens come from a
+    """rl.max_staleness=2 with the engine on its own 4 devices (the learner on the other 4): every trained row's tokens come from a
     version at most 2 behind the learner's (and the producer does run ahead); an environment that
     crashes and one that hangs past the timeout lose rollouts, which are counted, and every step still
-    trains the rest."""
+    trains the rest; the monitor flags the episodes that edit a test file (monitor.jsonl, counts) and,
+    with monitor.zero_reward, their groups carry no reward and are never trained."""
     steps = 4
-    cfg = _config(tmp_path / "run", "rl.max_staleness=2", f"rl.steps={steps}", "rollout.devices=2",
-                  "rollout.timeout_s=2", "rollout.max_refills=1")
+    cfg = _config(tmp_path / "run", "rl.max_staleness=2", f"rl.steps={steps}", "rollout.devices=4",
+                  "rollout.timeout_s=2", "rollout.max_refills=1", "monitor.zero_reward=true")
     summary = RLTrainer(cfg, parity_tasks(crash_and_hang=True, hang_s=6.0)).run()
     records = _records(cfg.run_dir)
     assert summary["end_step"] == steps and [r["step"] for r in records] == list(range(1, steps + 1))
@@ -147,6 +152,10 @@ def test_staleness_bound_and_lost_rollouts(tmp_path):
     assert sum(r["rollouts_crashed"] for r in records) > 0 and sum(r["rollouts_hung"] for r in records) > 0
     assert sum(r["groups_dropped_lost"] for r in records) > 0
     assert sum(r["rollouts"] for r in records) > 0 and all(np.isfinite(r["loss"]) for r in records)
+    flagged = [json.loads(line) for line in (Path(cfg.run_dir) / "monitor.jsonl").read_text().splitlines()]
+    assert flagged and all(f["detectors"] == ["test_files"] for f in flagged)
+    assert sum(r["monitor_test_files"] for r in records) == len(flagged)
+    assert all("cheat-2" not in r["trained_tasks"] for r in records)
 
 
 @pytest.mark.slow
@@ -168,7 +177,8 @@ def test_sigkill_then_restart_continues(tmp_path):
     assert first.returncode == -signal.SIGKILL, first.stdout.read().decode()[-2000:]
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "steps 2 -> 5" in second.stdout, second.stdout
+    resumed = re.search(r"steps (\d+) -> 5", second.stdout)
+    assert resumed and int(resumed[1]) >= 2, second.stdout
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
@@ -188,3 +198,18 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and key in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_overlap_counts_each_pair_of_intervals_once():
+    """Rollout [0, 2] and [2.5, 4] against learning [1, 3]: both ran 1 + 0.5 s; counted from 1.5 on,
+    0.5 + 0.5 s of 2.5 s."""
+    overlap = Overlap()
+    overlap.add("rollout", (0.0, 2.0))
+    overlap.add("learner", (1.0, 3.0))
+    overlap.add("rollout", (2.5, 4.0))
+    assert overlap.both == pytest.approx(1.5)
+    overlap.start(1.5)
+    fractions = overlap.fractions(4.0)
+    assert fractions["overlap_fraction"] == pytest.approx(1.0 / 2.5)
+    assert fractions["rollout_busy_fraction"] == pytest.approx(2.0 / 2.5)
+    assert fractions["learner_busy_fraction"] == pytest.approx(1.5 / 2.5)

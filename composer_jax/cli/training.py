@@ -81,7 +81,7 @@ def _run_rl(args) -> int:
     line = f"rl: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_fifth_reward" in s:
         line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
-    line += f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time"
+    line += f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time after the first step"
     print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, eval/, checkpoints/; "
           f"plot: composer-jax plot {cfg.run_dir})")
     return 0

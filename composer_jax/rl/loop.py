@@ -67,20 +67,38 @@ def split_devices(cfg: RLRunConfig) -> tuple[list, list | None]:
 
 
 class Overlap:
-    """Time during which rollout production and learning both ran: each interval is intersected with
-    the other side's intervals known when it arrives, so every pair is counted once."""
+    """Time during which rollout production and learning both ran, from `origin` on (the end of the
+    first learner step, which compiles: the steady state). Each interval is clipped to the origin and
+    intersected with the other side's intervals known when it arrives, so every pair counts once."""
 
     def __init__(self):
         self.sides: dict[str, list[tuple[float, float]]] = {"rollout": [], "learner": []}
-        self.both = 0.0
+        self.both, self.origin = 0.0, None
+
+    def _clip(self, interval: tuple[float, float]) -> tuple[float, float]:
+        start = interval[0] if self.origin is None else max(interval[0], self.origin)
+        return start, max(start, interval[1])
 
     def add(self, side: str, interval: tuple[float, float]) -> None:
+        a, b = self._clip(interval)
         other = self.sides["learner" if side == "rollout" else "rollout"]
-        self.both += sum(max(0.0, min(interval[1], b) - max(interval[0], a)) for a, b in other)
-        self.sides[side].append(interval)
+        self.both += sum(max(0.0, min(b, d) - max(a, c)) for c, d in other)
+        self.sides[side].append((a, b))
 
-    def busy(self, side: str) -> float:
-        return sum(b - a for a, b in self.sides[side])
+    def start(self, origin: float) -> None:
+        """Count from `origin` on (what was recorded before is clipped to it)."""
+        known, self.origin = self.sides, origin
+        self.sides, self.both = {"rollout": [], "learner": []}, 0.0
+        for side, intervals in known.items():
+            for interval in intervals:
+                self.add(side, interval)
+
+    def fractions(self, now: float) -> dict[str, float]:
+        """Of the wall time since the origin: both busy, rollout busy, learner busy."""
+        wall = max(now - (self.origin if self.origin is not None else now), 1e-9)
+        busy = {side: sum(b - a for a, b in intervals) / wall for side, intervals in self.sides.items()}
+        return {"overlap_fraction": self.both / wall, "rollout_busy_fraction": busy["rollout"],
+                "learner_busy_fraction": busy["learner"]}
 
 
 def _staleness(produced: ProducedBatch, version: int) -> np.ndarray:
@@ -120,7 +138,7 @@ class RLTrainer:
         model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
         with self.dual:
             shard_model(model, self.dual)
-            self.warm_ce = None
+            self.warm_ce, self.warm_s = None, 0.0
             # The warm start runs on a fresh run, and again on a resumed one that needs its reference policy.
             if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
                 env = self.tasks.make_env()
@@ -129,7 +147,9 @@ class RLTrainer:
                 finally:
                     if hasattr(env, "close"):
                         env.close()
+                began = time.perf_counter()
                 model, self.warm_ce = warm_start(model, cfg, demos)
+                self.warm_s = time.perf_counter() - began
             self.reference = ReferencePolicy(model, cfg.rl.loss_chunk) if cfg.rl.kl_coef > 0 else None
             self.rl_step = RLStep(model, cfg.rl)
             self.state = self.rl_step.init_state(model)
@@ -194,7 +214,8 @@ class RLTrainer:
         producer = RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, cfg,
                                    start_index=start, workspace=self.tasks.workspace)
         overlap, rewards, dropped_stale = Overlap(), [], 0
-        summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce}
+        summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce,
+                   "warm_start_s": self.warm_s}
         saved, last = self.resumed_from, None
         t_begin = time.perf_counter()
         progress.status("compiling the engine and the RL step")
@@ -217,8 +238,9 @@ class RLTrainer:
                     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
                     ended = time.perf_counter()
                     overlap.add("learner", (began, ended))
+                    if step == start:
+                        overlap.start(ended)
                     step += 1
-                    wall = ended - t_begin
                     step_metrics["batch_reward_mean"] = step_metrics.pop("reward_mean")   # padding rows included
                     record = {"step": step, "policy_version": step, **produced.metrics, **step_metrics,
                               "staleness_mean": float(stale.mean()) if stale.size else 0.0,
@@ -227,9 +249,7 @@ class RLTrainer:
                                   initial=step - 1)),
                               "learner_s": ended - began,
                               "learner_tokens_per_s": step_metrics["tokens"] / max(ended - began, 1e-9),
-                              "overlap_fraction": overlap.both / wall,
-                              "rollout_busy_fraction": overlap.busy("rollout") / wall,
-                              "learner_busy_fraction": overlap.busy("learner") / wall,
+                              **overlap.fractions(ended),
                               "dropped_stale_batches": float(dropped_stale),
                               "batch_draws": produced.draws,
                               "trained_draws": [g.prompt.draw for g in produced.groups],
@@ -253,8 +273,8 @@ class RLTrainer:
                 self.checkpoints.wait()
             wall = time.perf_counter() - t_begin
             fifth = max(1, len(rewards) // 5)
-            summary.update(end_step=step, wall_s=wall, overlap_fraction=overlap.both / wall,
-                           dropped_stale_batches=dropped_stale)
+            summary.update(end_step=step, wall_s=wall, dropped_stale_batches=dropped_stale,
+                           overlap_fraction=overlap.fractions(time.perf_counter())["overlap_fraction"])
             if rewards:
                 summary.update(first_fifth_reward=float(np.mean(rewards[:fifth])),
                                last_fifth_reward=float(np.mean(rewards[-fifth:])))
