@@ -161,8 +161,9 @@ def test_staleness_bound_and_lost_rollouts(tmp_path):
 @pytest.mark.slow
 def test_sigkill_then_restart_continues(tmp_path):
     """`composer-jax rl` killed with SIGKILL after its checkpoint at step 2, then started again with the
-    same command: it resumes at policy version 2, runs to the end, and the prompts drawn over the
-    whole run (consumed whether trained or dropped) are each drawn once, in sequence."""
+    same command: it resumes from its last checkpoint, runs to the end (with the held-out evaluation
+    at the last step), the policy versions continue, and the prompts drawn over the whole run
+    (consumed whether trained or dropped) are each drawn once, in sequence."""
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "composer_jax.cli", "rl", *TINY, f"run_dir={run_dir}", "rl.steps=5",
             "checkpoint.every=2", "env.tasks=8"]
@@ -184,6 +185,8 @@ def test_sigkill_then_restart_continues(tmp_path):
     assert [r["policy_version"] for r in records] == [1, 2, 3, 4, 5]
     draws = [d for r in records for d in r["batch_draws"]]
     assert draws == list(range(len(draws))), draws
+    assert 0 <= records[-1]["eval_pass@1"] <= 1       # the held-out evaluation at the last step
+    assert (run_dir / "eval" / "step-5" / "summary.json").is_file()
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -68,11 +68,17 @@ def log_to_stderr(command: str, quiet: bool) -> bool:
 
 
 def load_model_or_run_config(name: str, overrides):
-    """(ModelConfig, RunConfig or None) of a model config or a run config (bundled name or YAML path)."""
-    from composer_jax.config import load_config
+    """(ModelConfig, RunConfig / RLRunConfig or None) of a model config or a run config (bundled name or
+    YAML path; a run config with an `rl` section is an RL run's)."""
+    from composer_jax.config import load_config, read_yaml, resolve_config_path
     from composer_jax.train.config import is_run_config, load_run_config
 
     if is_run_config(name):
-        run = load_run_config(name, overrides)
+        if "rl" in read_yaml(resolve_config_path(name, kind="run")):
+            from composer_jax.rl.run_config import load_rl_config
+
+            run = load_rl_config(name, overrides)
+        else:
+            run = load_run_config(name, overrides)
         return run.model, run
     return load_config(name, overrides), None

@@ -59,7 +59,7 @@ def _run_info(args) -> int:
 
     cfg, run = load_model_or_run_config(args.config, args.overrides)
     if args.seq_len is None and run is not None:
-        args.seq_len = run.train.seq_len
+        args.seq_len = run.train.seq_len if hasattr(run, "train") else run.rollout.max_len   # RL: a trajectory row
     if args.seq_len is not None and args.seq_len > cfg.rope.max_position_embeddings:
         raise ConfigError("", f"--seq-len {args.seq_len} exceeds rope.max_position_embeddings="
                               f"{cfg.rope.max_position_embeddings}")
