@@ -216,3 +216,41 @@ def test_overlap_counts_each_pair_of_intervals_once():
     assert fractions["overlap_fraction"] == pytest.approx(1.0 / 2.5)
     assert fractions["rollout_busy_fraction"] == pytest.approx(2.0 / 2.5)
     assert fractions["learner_busy_fraction"] == pytest.approx(1.5 / 2.5)
+
+
+def test_batch_assembly_pads_with_rows_that_train_nothing():
+    """Two groups of 2 from played toy episodes, padded to 8 rows: the batch validates, the rows are
+    ordered by draw then sample whatever order they finished in, rewards come from the rollouts (after
+    the monitor), the padding rows generate nothing and sit in groups of their own, and each row's
+    version range is that of its tokens."""
+    from composer_jax.data.tokenizer import ByteTokenizer
+    from composer_jax.envs import PlainFormat, Report, TokenEpisode, ToyEnv
+    from composer_jax.rl.batch import validate_batch
+    from composer_jax.rl.groups import Group, Sample
+    from composer_jax.rl.rollout import Rollout, assemble
+    from composer_jax.rl.sampler import Prompt
+
+    cfg = _config("unused", "rl.group_size=2")
+    tokenizer, env = ByteTokenizer(), ToyEnv(get_format("plain"))
+    groups, tasks = [], toy_tasks("add", 2, seed=1)
+    for draw, task in enumerate(tasks):
+        prompt, samples = Prompt(task.id, draw, 0), []
+        for sample, text in reversed(list(enumerate([task.answer, ""]))):     # finished in reverse order
+            episode = TokenEpisode(env, tokenizer)
+            episode.start(task)
+            ids = tokenizer.encode(text + env.fmt.end_of_turn)
+            episode.step(ids, np.full(len(ids), -0.5))
+            rollout = Rollout(prompt, sample, episode, [draw] * len(ids), Report(), 0.25 + sample)
+            samples.append(Sample(rollout.reward, episode.reward, rollout))
+        groups.append(Group(prompt, tuple(samples)))
+    batch, versions = assemble(groups, cfg)
+    validate_batch(batch, group_size=2, vocab_size=256)
+    assert batch.tokens.shape == (8, 80) and batch.teacher_tokens.shape == (8, 1, 128)
+    assert batch.rewards.tolist() == [0.25, 1.25, 0.25, 1.25, 0, 0, 0, 0]
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    end = len(PlainFormat.end_of_turn)
+    assert batch.generated[:4].sum(1).tolist() == [n for t in tasks for n in (len(t.answer) + end, end)]
+    assert not batch.generated[4:].any()
+    assert versions.tolist() == [[0, 0, 1, 1, -1, -1, -1, -1]] * 2
+    # the empty answer is flagged (a teacher slot with its hint), the right one is not
+    assert (batch.teacher_map[1] >= 0).sum() == end and (batch.teacher_map[0] < 0).all()

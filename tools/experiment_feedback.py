@@ -18,8 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-TOOL_USE = ["env.use_tool=true", "rollout.max_new_tokens=48", "rollout.max_len=160", "rl.max_tokens=48",
-            "rollout.feedback_window=160", "model.rope.max_position_embeddings=256", "model.rope.factor=16"]
+# A submit call is ~80 bytes after a ~210-byte prompt; a hint with its frame up to ~330 bytes.
+TOOL_USE = ["env.use_tool=true", "env.tasks=16", "rollout.max_new_tokens=96", "rollout.max_len=320",
+            "rl.max_tokens=96", "rollout.feedback_window=448", "model.rope.max_position_embeddings=1024",
+            "model.rope.factor=64", "rollout.batch_size=16", "rl.group_size=4", "rl.steps=40", "warm_start.steps=60",
+            "warm_start.batch_size=16"]
 SERIES = ("tool_error_rate", "reward_mean", "loss_sd", "flagged_turns")
 
 

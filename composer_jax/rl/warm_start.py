@@ -29,7 +29,7 @@ from composer_jax.train.step import make_train_step
 def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int) -> dict[str, np.ndarray]:
     """The pretraining step's features int32[N, seq_len] (tokens, segment_ids, positions, loss_mask):
     each task's prompt as the episode renders it, then its solving message and the end-of-turn marker
-    (the loss mask covers these), right-padded."""
+    (the loss mask covers these), right-padded to the longest (rounded up to 16, at most seq_len)."""
     tokens, segments, mask = (np.zeros((len(tasks), seq_len), np.int32) for _ in range(3))
     for row, task in enumerate(tasks):
         prompt = TokenEpisode(env, tokenizer).start(task)
@@ -40,7 +40,9 @@ def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int) -> dict[str, n
         tokens[row, :n], segments[row, :n] = np.concatenate([prompt, answer]), 1
         mask[row, len(prompt):n] = 1
     positions = np.where(segments > 0, np.arange(seq_len, dtype=np.int32)[None], 0).astype(np.int32)
-    return {"tokens": tokens, "segment_ids": segments, "positions": positions, "loss_mask": mask}
+    width = min(seq_len, -(-int(segments.sum(1).max()) // 16) * 16)     # no step on columns of padding only
+    return {k: v[:, :width] for k, v in
+            {"tokens": tokens, "segment_ids": segments, "positions": positions, "loss_mask": mask}.items()}
 
 
 def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) -> tuple[CausalLM, float]:
