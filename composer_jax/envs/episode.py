@@ -104,7 +104,7 @@ def rollout_fields(episodes: Sequence[TokenEpisode], group_ids: Sequence[int], *
 
     Rows: the trajectory then right padding. The first `slots` flagged turns of each row get a teacher
     slot: the hint tokens, then the turn's tokens (cut to fit the window), mapped to their student
-    positions; later flagged turns get none. With slots = 0 there are no teacher fields.
+    positions; later flagged turns get none, nor does one whose hint leaves no room in the window. With slots = 0 there are no teacher fields.
     """
     if len(group_ids) != len(episodes):
         raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episodes")
@@ -125,15 +125,15 @@ def rollout_fields(episodes: Sequence[TokenEpisode], group_ids: Sequence[int], *
         tokens[row, :n], segments[row, :n] = ep.tokens, 1
         generated[row, :n], logprobs[row, :n] = ep.generated, ep.logprobs
         rewards[row] = ep.reward
-        flagged = [t for t in ep.turns if t.hint][:slots]
-        for slot, turn in enumerate(flagged):
+        slot = 0
+        for turn in (t for t in ep.turns if t.hint):
             hint = ep.hint_ids(turn)
             end = min(turn.end, turn.start + window - len(hint))
-            if end <= turn.start:
-                raise ValueError(f"episode {row}: the hint ({len(hint)} tokens) leaves no room for the turn in a "
-                                 f"teacher window of {window}")
+            if slot == slots or end <= turn.start:    # no slot left, or a hint that leaves no room: no teacher
+                continue
             t_tokens[row, slot, :len(hint) + end - turn.start] = np.concatenate([hint, tokens[row, turn.start:end]])
             t_map[row, slot, len(hint):len(hint) + end - turn.start] = np.arange(turn.start, end)
+            slot += 1
     positions = np.where(segments > 0, np.arange(seq_len)[None], 0).astype(np.int32)
     fields = dict(tokens=tokens, positions=positions, segment_ids=segments, generated=generated,
                   behaviour_logprobs=logprobs, rewards=rewards, group_ids=np.asarray(group_ids, np.int32))
