@@ -236,6 +236,9 @@ class EngineAgent:
                 while inbox:
                     command, _ = inbox.pop(0)
                     command()
+                if self._closing:   # no turn follows any more: free the kept slots, or queued requests never start
+                    for request_id in list(self.engine.kept):
+                        self.engine.release(request_id)
                 if not self.engine.idle:
                     self._step()
         except BaseException as e:   # the engine broke: fail every waiting turn, refuse new ones

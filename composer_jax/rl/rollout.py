@@ -14,8 +14,9 @@ max_staleness = 0 it waits for the learner before every batch: a synchronous loo
 
 One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
 episode in its own thread, all turns decoding together in the engine's slots). An episode that raises
-(the environment crashed, the context ran out) or runs past `rollout.timeout_s` (it hung) is lost: the
-group assembler refills or drops its group (`rl.groups`), and the run goes on. Groups whose rewards are
+(the environment crashed, the context ran out) or whose environment call runs past
+`rollout.timeout_s` (it hung) is lost: the group assembler refills or drops its group (`rl.groups`),
+and the run goes on. Groups whose rewards are
 all equal are dropped; the batch keeps its shape by padding rows that carry no generated token (no
 gradient). Rows are ordered by draw and sample, so the same seeds give the same batch whatever the
 timing. Each episode samples from its own seed (its draw and sample), independent of its slot.
@@ -133,6 +134,30 @@ def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: floa
     return out
 
 
+class TimedEnv:
+    """An environment whose reset and step calls are timed: `in_env[key]` holds when the call running
+    now began (what the producer's hang timeout measures: the environment's time, not the model's)."""
+
+    def __init__(self, env, in_env: dict, key):
+        self.env, self.in_env, self.key = env, in_env, key
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def _timed(self, call, *args):
+        self.in_env[self.key] = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.in_env.pop(self.key, None)
+
+    def reset(self, task):
+        return self._timed(self.env.reset, task)
+
+    def step(self, text):
+        return self._timed(self.env.step, text)
+
+
 class RolloutProducer:
     """See the module docstring. `agent`: an EngineAgent (or any agent with update_weights/version);
     `tasks`: id -> task; `make_env()`: a fresh environment per episode; `workspace`: where the
@@ -205,8 +230,8 @@ class RolloutProducer:
             self._failure = e
             self._out.put(None)
 
-    def _episode(self, prompt: Prompt, sample: int, index: int) -> Rollout:
-        env = self.make_env()
+    def _episode(self, prompt: Prompt, sample: int, index: int, in_env: dict) -> Rollout:
+        env = TimedEnv(self.make_env(), in_env, (prompt.draw, sample))
         episode = TokenEpisode(env, self.agent.tokenizer, rewards=self.cfg.rewards, train_step=index)
         key = f"{prompt.draw}/{sample}"
         versions: list = []
@@ -215,8 +240,8 @@ class RolloutProducer:
                  attempt_seed(self.cfg.seed, f"{prompt.task_id}#{prompt.draw}", sample), versions)
         finally:
             self.agent.end_episode(key)
-            if hasattr(env, "close"):
-                env.close()
+            if hasattr(env.env, "close"):
+                env.env.close()
         report = self.monitor.check(episode.turns, workspace=self.workspace)
         reward = self.monitor.apply([episode.reward], [report])[0]
         return Rollout(prompt, sample, episode, [v for turn in versions for v in (turn or ())], report, reward)
@@ -227,7 +252,8 @@ class RolloutProducer:
         before = dict(self.groups.counts)
         prompts = self.sampler.draw(self.cfg.prompts_per_step)
         results: queue.Queue = queue.Queue()
-        running: dict[tuple[int, int], tuple[Prompt, float]] = {}
+        running: dict[tuple[int, int], Prompt] = {}
+        in_env: dict[tuple[int, int], float] = {}     # rollouts inside their environment: since when
         next_sample = {p.draw: self.cfg.rl.group_size for p in prompts}
         finished: list[Rollout] = []
         trainable: list[Group] = []
@@ -237,11 +263,11 @@ class RolloutProducer:
         def launch(prompt: Prompt, sample: int) -> None:
             def run():
                 try:
-                    results.put(((prompt.draw, sample), self._episode(prompt, sample, index), None))
+                    results.put(((prompt.draw, sample), self._episode(prompt, sample, index, in_env), None))
                 except BaseException as e:   # noqa: BLE001  (any failure of an episode loses that rollout only)
                     results.put(((prompt.draw, sample), None, e))
 
-            running[(prompt.draw, sample)] = (prompt, time.perf_counter())
+            running[(prompt.draw, sample)] = prompt
             threading.Thread(target=run, name=f"rollout-{prompt.draw}-{sample}", daemon=True).start()
 
         def lose(prompt: Prompt) -> None:
@@ -260,16 +286,16 @@ class RolloutProducer:
                 key, rollout, error = results.get(timeout=POLL_S)
             except queue.Empty:
                 now = time.perf_counter()
-                for key, (prompt, began) in list(running.items()):
-                    if now - began > self.cfg.rollout.timeout_s:     # hung: abandoned, its slot released
-                        del running[key]
+                for key, since in list(in_env.items()):
+                    if key in running and now - since > self.cfg.rollout.timeout_s:   # hung: abandoned, slot released
+                        prompt = running.pop(key)
                         failures["rollouts_hung"] += 1
                         self.agent.end_episode(f"{key[0]}/{key[1]}")
                         lose(prompt)
                 continue
             if key not in running:       # finished after it was given up
                 continue
-            prompt, _ = running.pop(key)
+            prompt = running.pop(key)
             if error is not None:
                 failures["rollouts_crashed"] += 1
                 first_error.append(f"{type(error).__name__}: {error}")

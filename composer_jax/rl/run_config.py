@@ -32,7 +32,7 @@ class RolloutConfig:
     max_len: int = 128              # tokens per trajectory (the engine's context and the step's row length)
     max_slots: int = 16             # episodes decoding at once
     steps_per_call: int = 8         # decode steps per engine call
-    timeout_s: float = 120.0        # a rollout running longer is lost (its environment hung)
+    timeout_s: float = 120.0        # an environment call (reset, step) running longer loses its rollout (it hung)
     on_lost: Literal["refill", "drop"] = "refill"   # a lost rollout: run one more for its group, or drop the group
     max_refills: int = 2            # refills per group before it is dropped
     feedback_slots: int = 1         # teacher slots per trajectory (flagged turns with a hint)
