@@ -48,6 +48,25 @@ def compiled_step_flops(cfg: RunConfig, dual: DualMesh) -> float:
         return flops_of(step_lib.lower_train_step(cfg, dual).compile())
 
 
+def device_memory_bytes() -> int | None:
+    """What the first device may allocate (XLA's `bytes_limit`), or None where it does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def fitting_batch(model: ModelConfig, seq_len: int, budget_bytes: float, most: int = 64) -> int:
+    """The largest batch (rows of `seq_len`) whose one-device training step fits in `budget_bytes`, from
+    the compiled step at batch 1: the state once, the temporaries per row (a slight overestimate: some
+    temporaries do not grow with the batch)."""
+    mem = step_lib.lower_train_step(run_config(model, 1, seq_len), one_device()).compile().memory_analysis()
+    state = mem.argument_size_in_bytes
+    per_row = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    if state + per_row > budget_bytes:
+        raise ValueError(f"one row of {seq_len} tokens needs {(state + per_row) / 1e9:.1f} GB on one device, "
+                         f"over the {budget_bytes / 1e9:.1f} GB budget")
+    return max(1, min(most, int((budget_bytes - state) // per_row)))
+
+
 def steps_side_by_side(cfgs: dict[str, RunConfig], repeats: int, seed: int = 0) -> dict[str, list[float]]:
     """{name: [seconds per step]}: the training steps of `cfgs` (same batch shape) run in alternation on
     one device, each on its own fresh state and the same batch."""
