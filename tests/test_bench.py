@@ -32,6 +32,7 @@ def quick(tmp_path_factory):
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_quick_bench_has_every_section(quick):
     assert set(SECTIONS) <= set(quick) and quick["environment"]["quick"] and quick["environment"]["preset"] == "cpu"
 
@@ -49,6 +50,7 @@ def test_quick_bench_has_every_section(quick):
         _positive(quick[name]["wall_s"])
 
 
+@pytest.mark.slow
 def test_train_step_ratios_follow_the_measurements(quick):
     r = quick["train_step"]
     _positive(r["step_s"], r["tokens_per_s"], r["model_flops_per_token"], r["compiled_flops_per_token"],
@@ -60,6 +62,7 @@ def test_train_step_ratios_follow_the_measurements(quick):
     assert r["compiled_over_model_flops"] >= 1.0
 
 
+@pytest.mark.slow
 def test_comparison_ratios_follow_the_measurements(quick):
     for row in quick["attention"]["kernel"]:
         _positive(row["reference_s"], row["blockwise_s"])
@@ -142,3 +145,25 @@ def test_missing_json_directory_is_a_one_line_error(tmp_path, capsys):
     assert cli.main(["bench", "--json", str(target), "--quick"]) == 2
     assert capsys.readouterr().err.strip() == (f"composer-jax bench: error: --json {target}: the directory "
                                                f"{target.parent} does not exist")
+
+
+@pytest.mark.slow
+def test_fitting_batch_fits_the_budget():
+    """The GPU preset's batch: the chosen batch's compiled step (state + temporaries) is within budget,
+    and the budget admits more rows the larger it is."""
+    from composer_jax import load_config
+    from composer_jax.bench.train_step import fitting_batch, one_device, run_config
+    from composer_jax.train.step import lower_train_step
+
+    def peak(batch):
+        mem = lower_train_step(run_config(model, batch, 64), one_device()).compile().memory_analysis()
+        return mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+
+    model = load_config("tiny")
+    one = peak(1)
+    budget = 4 * one
+    batch = fitting_batch(model, 64, budget)
+    assert batch > 1 and peak(batch) <= budget
+    assert fitting_batch(model, 64, 2 * budget) > batch
+    with pytest.raises(ValueError, match="one row of 64 tokens needs"):
+        fitting_batch(model, 64, one / 2)

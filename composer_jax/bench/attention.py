@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.bench.timing import interleaved, medians
+from composer_jax.bench.train_step import one_device, run_config, steps_side_by_side
 from composer_jax.config import ModelConfig
 from composer_jax.model import attention_ops, cudnn_attention
 from composer_jax.model.attention_mask import causal_mask
 from composer_jax.train import step as step_lib
-from composer_jax.bench.timing import interleaved, medians
-from composer_jax.bench.train_step import one_device, run_config, steps_side_by_side
 
 PORTABLE = ("reference", "blockwise")
 

@@ -10,12 +10,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.bench.timing import interleaved, medians
 from composer_jax.config import MeshConfig
 from composer_jax.model.dispatch import ExpertWeights
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.mesh import DENSE_TOKEN_AXES
-from composer_jax.bench.timing import interleaved, medians
 
 CPU_SKIPS = {"ep_ragged": "XLA:CPU lacks ragged_all_to_all"}
 

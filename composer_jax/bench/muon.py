@@ -28,10 +28,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers as MDN
 
+from composer_jax.bench.timing import interleaved
 from composer_jax.optim import muon
 from composer_jax.optim.layout import matrix_view
 from composer_jax.optim.newton_schulz import ns_flops
-from composer_jax.bench.timing import interleaved
 
 # Logical axis -> mesh axis, one table per grid; the first matching dimension of a leaf takes the axis.
 DENSE_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}

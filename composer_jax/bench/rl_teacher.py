@@ -12,9 +12,9 @@ import numpy as np
 from flax import nnx
 
 from composer_jax import CausalLM
+from composer_jax.bench.timing import flops_of, unrolled_loops
 from composer_jax.config import ModelConfig
 from composer_jax.rl import RLConfig, RLStep, RolloutBatch, teacher_slot
-from composer_jax.bench.timing import flops_of, unrolled_loops
 
 
 def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None) -> RolloutBatch:

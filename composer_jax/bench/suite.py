@@ -159,7 +159,7 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
     if "muon" in results:
         r = results["muon"]
         out.append(("muon update", f"ours {1e3 * r['ours_s']:.1f} ms", f"optax {1e3 * r['optax_s']:.1f} ms",
-                    f"x{r['speedup']:.2f} faster"))
+                    f"speedup x{r['speedup']:.2f}"))
         out.append(("  NS FLOPs/device", f"ours x{r['ns_share_ours']:.2f} of total/N",
                     f"optax x{r['ns_share_optax']:.2f}", ""))
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from composer_jax.bench.timing import flops_of, interleaved, medians, unrolled_loops
 from composer_jax.config import MeshConfig, ModelConfig, replace
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
@@ -14,7 +15,6 @@ from composer_jax.train import step as step_lib
 from composer_jax.train.config import RunConfig, TrainConfig
 from composer_jax.train.metrics import run_peak_flops
 from composer_jax.train.state import StateLayout
-from composer_jax.bench.timing import flops_of, interleaved, medians, unrolled_loops
 
 
 def one_device() -> DualMesh:
