@@ -13,7 +13,7 @@
 #                                                           tests are collected and skipped, the bench
 #                                                           runs its quick CPU preset
 # Environment: PYTHON (default python3), OUT (logs and bench.json; default /tmp/device_check),
-# DEVICE_CHECK_BUDGET_S (all checks, default 470) and DEVICE_CHECK_BENCH_S (the bench, default 270): raise
+# DEVICE_CHECK_BUDGET_S (all checks, default 470) and DEVICE_CHECK_BENCH_S (the bench, default 330): raise
 # them for a dry run on a slow or busy CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,9 +52,9 @@ check environment 60 "$python" -c "import jax, flax, optax; print('python', __im
 jax.devices()[0].device_kind)"
 
 mapfile -t gpu_test_files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-check gpu-tests 150 "$python" -m pytest -q -rs -m gpu -p no:cacheprovider "${gpu_test_files[@]}"
+check gpu-tests 100 "$python" -m pytest -q -rs -m gpu -p no:cacheprovider "${gpu_test_files[@]}"
 
-check bench "${DEVICE_CHECK_BENCH_S:-270}" "$python" -m composer_jax.cli bench --json "$logs/bench.json" "${bench_args[@]}"
+check bench "${DEVICE_CHECK_BENCH_S:-330}" "$python" -m composer_jax.cli bench --json "$logs/bench.json" "${bench_args[@]}"
 
 if "$python" -c "import composer_jax.plan" 2>/dev/null; then
   row planner skip 0 "composer_jax/plan is here but no mock-topology cross-check is wired into this script yet"
