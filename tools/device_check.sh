@@ -69,8 +69,9 @@ else
 fi
 
 echo
-if [[ -f $logs/bench.json ]]; then
-  sed -n '/^benchmark /,/^wrote /p' "$logs/bench.log" | grep -v '^wrote '
+if [[ -f $logs/bench.json ]]; then   # also what a bench cut short measured (saved after each section)
+  "$python" -c "import json, sys; from composer_jax.bench.suite import table; \
+print(table(json.load(open(sys.argv[1]))))" "$logs/bench.json"
   echo
 fi
 printf '%-16s %-5s %6s  %s\n' check status time "last line of log ($logs)"

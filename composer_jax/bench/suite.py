@@ -101,8 +101,10 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     return {k: v for k, v in out.items() if not k.startswith("times")}
 
 
-def run(preset: str, quick: bool, sections=SECTIONS, decode_run: Path | None = None, progress=print) -> dict:
-    """{"environment": ..., "sizes": ..., section: results, ...}; each section also records its wall time."""
+def run(preset: str, quick: bool, sections=SECTIONS, decode_run: Path | None = None, progress=print,
+        save=lambda results: None) -> dict:
+    """{"environment": ..., "sizes": ..., section: results, ...}; each section also records its wall time.
+    `save(results)` runs after each section (a run cut short keeps what it measured)."""
     import jax
 
     s = sizes(preset, quick)
@@ -116,6 +118,7 @@ def run(preset: str, quick: bool, sections=SECTIONS, decode_run: Path | None = N
         start = time.perf_counter()
         results[name] = run_section(name, s, decode_run)
         results[name]["wall_s"] = time.perf_counter() - start
+        save(results)
     return results
 
 

@@ -43,9 +43,11 @@ def _run_bench(args) -> int:
                               "use --preset cpu")
     from composer_jax.bench import suite
 
+    def save(results):
+        out.write_text(json.dumps(results, indent=1) + "\n")
+
     results = suite.run(preset, args.quick, sections, Path(args.decode_run).expanduser(),
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
-    out.write_text(json.dumps(results, indent=1) + "\n")
+                        progress=lambda line: print(line, file=sys.stderr, flush=True), save=save)
     print(suite.table(results))
     print(f"wrote {out}")
     bad = suite.non_finite(results)
