@@ -122,7 +122,8 @@ def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, reps:
         model, description = opened.model, opened.description
         batch = prompts(opened.tokenizer, 1, prompt_len)
     else:
-        model = CausalLM(load_config("tiny"), rngs=nnx.Rngs(0))
+        positions = max(64, prompt_len + new_tokens + 1)
+        model = CausalLM(load_config("tiny", [f"rope.max_position_embeddings={positions}"]), rngs=nnx.Rngs(0))
         description = f"tiny, random init (no trained run{f' in {run_dir}' if run_dir else ''})"
         batch = [np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len).tolist()]
     max_len = min(model.cfg.rope.max_position_embeddings, prompt_len + new_tokens + 1)
