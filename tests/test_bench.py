@@ -167,3 +167,11 @@ def test_fitting_batch_fits_the_budget():
     assert fitting_batch(model, 64, 2 * budget) > batch
     with pytest.raises(ValueError, match="one row of 64 tokens needs"):
         fitting_batch(model, 64, one / 2)
+
+
+def test_non_finite_results_are_named():
+    from composer_jax.bench.suite import non_finite
+
+    results = {"train_step": {"mfu": 0.3, "rows": [{"s": 1.0}, {"s": float("nan")}]}, "muon": {"speedup": float("inf")}}
+    assert non_finite(results) == ["train_step.rows[1].s", "muon.speedup"]
+    assert non_finite({"a": {"b": [1.0, 2]}, "c": "text"}) == []
