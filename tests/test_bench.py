@@ -67,8 +67,8 @@ def test_comparison_ratios_follow_the_measurements(quick):
     for row in quick["attention"]["kernel"]:
         _positive(row["reference_s"], row["blockwise_s"])
         _close(row["blockwise_over_reference"], row["blockwise_s"] / row["reference_s"])
-    for row in quick["attention"]["memory"]["train_step_temp_bytes"]:
-        _positive(row["reference"], row["blockwise"])
+    # The quick run leaves out the step-memory growth (compiles 2 steps per length; tests/test_attention_memory.py).
+    assert quick["sizes"]["memory_lengths"] == [] and "memory" not in quick["attention"]
     d = quick["dispatch"]
     assert set(d["median_ms"]) == {"dense", "ragged", "ep_a2a"} and "ep_ragged" in d["skipped"]
     for kind, ms in d["median_ms"].items():
