@@ -67,6 +67,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, cfg: RLC
                    is_clip_frac=mean(clipped.astype(jnp.float32)),
                    behaviour_kl_k3=mean(sg(losses.kl_estimate(batch.behaviour_logprobs, logp, "k3"))),
                    tokens=mask.sum(), reward_mean=jnp.mean(batch.rewards),
+                   moe_dropped_fraction=jnp.sum(out.dropped) / jnp.maximum(jnp.sum(out.expert_load), 1.0),
                    advantage_abs_mean=jnp.mean(jnp.abs(advantages)))
 
     if feedback:
