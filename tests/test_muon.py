@@ -240,6 +240,35 @@ def test_ns_flops_per_device_on_sharded_layout():
     assert flops(6) - flops(1) == pytest.approx(total / 8, rel=0.1)
 
 
+def test_split_remainders_keep_ns_flops_per_device_near_total_over_devices():
+    """Three 128 x 256 matrices and 35 64 x 128 ones on 8 devices: whole-matrix layers would cost each
+    device one 128 x 256 NS plus five 64 x 128 ones (1.76x the even share); the plan splits the
+    remainders into column blocks. Compiled F(6 steps) - F(1 step) equals the plan's count
+    (`exchange_plan.ns_flops_per_device`), within 1.1x of total / 8."""
+    from composer_jax.optim.exchange_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
+
+    meshes = _meshes()
+    leaves = {"mlp": ((3, 128, 256), MDN((1,), (2,)), meshes["dense"], P(None, "fsdp", None)),
+              "heads": ((128, 35, 64), MDN((0,), (2,)), meshes["dense"], P("fsdp", None, None))}
+    params = {k: jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+              for k, (shape, _, mesh, spec) in leaves.items()}
+    dims = {k: d for k, (_, d, _, _) in leaves.items()}
+
+    def flops(steps):
+        tx = muon(0.1, ns_steps=steps, ns_dtype="float32", muon_weight_dimension_numbers=dims,
+                  meshes=tuple(meshes.values()))
+        compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile()
+        return compiled.cost_analysis()["flops"]
+
+    views = [matrix_view(shape, d.reduction_axis, d.output_axis) for shape, d, _, _ in leaves.values()]
+    plan = plan_groups([leaf_info(i, params[k], v) for i, (k, v) in enumerate(zip(leaves, views))], 4,
+                       tuple(meshes.values()), split=True)
+    planned = ns_flops_per_device(plan, 5)
+    total = 3 * ns_flops(128, 256, 5) + 35 * ns_flops(64, 128, 5)
+    assert planned <= 1.1 * total / 8
+    assert flops(6) - flops(1) == pytest.approx(planned, rel=0.05)
+
+
 def test_errors_name_the_parameter():
     params = {"a": jnp.ones((4, 6)), "b": jnp.ones((3,)), "c": jnp.ones((2, 4, 6))}
     with pytest.raises(ValueError, match="'b'.*rank >= 2"):
