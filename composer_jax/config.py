@@ -159,10 +159,15 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6  # residual-stream norms (input, post-attention, final, MTP)
     dtype: DType = "float32"  # activation / matmul compute dtype
     param_dtype: DType = "float32"
+    # Attention implementation for training and prefill (composer_jax.model.attention_ops): reference
+    # (dense scores), blockwise (memory linear in the sequence), cudnn (NVIDIA GPUs, bfloat16), auto.
+    attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size"):
             _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.attention != "cudnn" or self.dtype == "bfloat16", "attention",
+               f"cudnn attention runs in bfloat16: needs dtype=bfloat16, got dtype={self.dtype}")
         _check(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
                f"must be in [0, num_layers={self.num_layers}], got {self.num_dense_layers}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
@@ -212,6 +217,8 @@ def _type_name(tp: Any) -> str:
 def _convert(value: Any, tp: Any, key: str) -> Any:
     """Convert one YAML/CLI value to field type `tp`, or raise ConfigError naming `key`."""
     origin = typing.get_origin(tp)
+    if hasattr(tp, "from_config"):  # a type that parses its own config form (e.g. envs.rewards.Schedule)
+        return tp.from_config(value, key)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return None if value is None else _convert(value, args[0], key)

@@ -2,7 +2,8 @@
 safetensors), a converted directory (`composer-jax convert` output: model_config.yaml + params) or a
 training run (RUN_DIR/checkpoints: its latest step), with its tokenizer and end-of-sequence ids.
 
-Used by `composer-jax generate` and tools/bench_decode.py; sits above `checkpoint`, `train` and `data`.
+Used by `composer-jax generate`, `composer-jax eval` (composer_jax.eval.engine_agent) and
+tools/bench_decode.py; sits above `checkpoint`, `train` and `data`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
+from composer_jax.config import ConfigError, from_dict, to_dict
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import (FLAG_KINDS, HINT_BUILDERS, TOOL_NAMES, TOOLS, CodingEnv, CodingEnvConfig, EpisodeStats,
                                Flag, KimiFormat, PlainFormat, RewardConfig, Schedule, TokenEpisode, ToyEnv,
@@ -265,11 +267,28 @@ def test_reward_composition_with_step_schedules():
     assert early["failed_calls"] == 0.0 and late["failed_calls"] == pytest.approx(-0.2)
     assert late["format"] == pytest.approx(0.2 * 0.75) and late["length"] == pytest.approx(-0.01 * c)
     assert late["total"] == pytest.approx(1.0 - 0.2 + 0.15 - 0.01 * c)
-    assert Schedule.parse([[10, 1.0]], "w")(9) == 0.0 and Schedule.parse(2, "w")(0) == 2.0
+    assert Schedule.from_config([[10, 1.0]], "w")(9) == 0.0 and Schedule.from_config(2, "w")(0) == 2.0
     with pytest.raises(RewardConfigError, match="failed_call_weight"):
         RewardConfig(failed_call_weight="lots")
     with pytest.raises(RewardConfigError, match="sorted"):
         Schedule(((5, 1.0), (2, 0.0)))
+
+
+def test_reward_config_reads_from_yaml_and_names_a_bad_key():
+    """The reward section of a run config: weights as numbers or [[step, value], ...]; a saved config
+    reads back equal; an unknown component or a bad weight is a one-line error naming the dotted key."""
+    data = yaml.safe_load("failed_call_weight: [[0, 0.0], [100, 0.1]]\nformat_weight: 0.2\nlength_k: 0.01\n")
+    cfg = from_dict(RewardConfig, data, prefix="rewards")
+    assert cfg.failed_call_weight(99) == 0.0 and cfg.failed_call_weight(100) == 0.1 and cfg.format_weight(0) == 0.2
+    assert from_dict(RewardConfig, json.loads(json.dumps(to_dict(cfg))), prefix="rewards") == cfg
+    bad = {"style_weight": ("1.0", "config key 'rewards.style_weight': unknown key for RewardConfig"),
+           "format_weight": ("[[5, 1.0], [2, 0.0]]", "config key 'rewards.format_weight': schedule steps must be"),
+           "length_weight": ("lots", "config key 'rewards.length_weight': expected a number or [[step, value]"),
+           "length_k": ("0", "config key 'rewards.length_k': must be > 0")}
+    for key, (value, message) in bad.items():
+        with pytest.raises(ConfigError) as err:
+            from_dict(RewardConfig, yaml.safe_load(f"{key}: {value}"), prefix="rewards")
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -374,8 +374,10 @@ def test_bad_task_sets_models_and_runs_are_one_line_errors(tmp_path, capsys):
     tasks = _task_dirs(tmp_path)
     (tmp_path / "hf_model").mkdir()
     assert error("eval", str(tmp_path / "hf_model"), str(tasks)) == (
-        f"MODEL '{tmp_path / 'hf_model'}': cannot be evaluated yet: the engine-backed agent (composer_jax.infer) is "
-        "not wired in; only scripted:PATH agents (JSON tool-call scripts) run")
+        f"MODEL '{tmp_path / 'hf_model'}': does not load: {tmp_path / 'hf_model'} is neither a training run "
+        "(checkpoints/), a converted directory (model_config.yaml) nor a Hugging Face directory (config.json)")
+    assert error("eval", model, str(tasks), "max_slots=2") == (
+        f"MODEL '{model}': a scripted agent takes no settings, got max_slots=2")
     assert error("eval", "scripted:/nonexistent.json", str(tasks)) == (
         "scripted agent file /nonexistent.json: does not exist")
     bad_call = tmp_path / "bad_call.json"

@@ -1,35 +1,21 @@
 """`composer-jax generate RUN_DIR`: a training run's latest checkpoint and tokenizer (byte-level here),
 streamed as text."""
 
-import jax
 import pytest
 
 from composer_jax import cli
-from composer_jax.config import MeshConfig
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.infer import generate
 from composer_jax.model_dirs import open_model
-from composer_jax.parallel import DualMesh
-from composer_jax.train.checkpoints import RunCheckpoints
-from composer_jax.train.config import load_run_config, to_dict
-from composer_jax.train.state import StateLayout, split_model
-from tests.random_models import random_model
+from tests.random_models import save_random_run
 
 PROMPT = "def add(a, b):\n    "
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run directory with one checkpoint of a pretraining state with random weights (one device)."""
-    run = tmp_path_factory.mktemp("run")
-    cfg = load_run_config("pretrain-tiny", [f"run_dir={run}"])
-    layout = StateLayout(cfg, DualMesh(MeshConfig(), jax.devices()[:1], model=cfg.model))
-    _, params, biases, _ = split_model(random_model(cfg.model, 4))
-    checkpoints = RunCheckpoints(run / "checkpoints", cfg.checkpoint)
-    placed = jax.device_put((params, biases), (layout.shardings.params, layout.shardings.biases))
-    checkpoints.save(3, layout.from_params(*placed), {}, to_dict(cfg))
-    checkpoints.close()
-    return run
+    """A run directory with one checkpoint (step 3) of a pretraining state with random weights."""
+    return save_random_run(tmp_path_factory.mktemp("run"))
 
 
 def test_generate_streams_a_runs_text(run_dir, capsys):

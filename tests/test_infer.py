@@ -16,6 +16,7 @@ from composer_jax.infer.cache import latent_bytes_per_token, per_head_kv_bytes_p
 from composer_jax.infer.sampling import SlotSampling, processed_logprobs
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
+from composer_jax.model.attention_mask import causal_mask
 from tests.random_models import random_model
 from tests.sampling_reference import sampling_probs
 
@@ -51,9 +52,9 @@ def test_absorbed_attention_equals_training_attention(cfg, model):
     cos, sin = rope.rope_angles(cfg.rope, cfg.mla.qk_rope_head_dim, 9 + jnp.arange(6)[None].repeat(2, 0))
     prefix = (jnp.asarray(rng.normal(size=(2, 9, cfg.mla.kv_lora_rank)), jnp.float32),
               jnp.asarray(rng.normal(size=(2, 9, cfg.mla.qk_rope_head_dim)), jnp.float32))
-    causal = np.tril(np.ones((6, 6), bool))
-    visible = rng.random((2, 6, 9)) < 0.7                       # some cache positions masked out
-    mask = jnp.asarray(np.concatenate([visible, np.broadcast_to(causal, (2, 6, 6))], axis=-1))
+    order, same = jnp.arange(6)[None].repeat(2, 0), jnp.zeros((2, 6), jnp.int32)
+    valid = jnp.asarray(rng.random((2, 9)) < 0.7)               # some cache positions masked out
+    mask = causal_mask(same, order, same, order).with_prefix(valid)
     both = nnx.jit(lambda mla, *args: (mla(*args), mla(*args, absorbed=True)))
     (out, max_logits, latent), (absorbed, absorbed_max, absorbed_latent) = both(mla, x, cos, sin, mask, prefix)
     assert np.abs(np.asarray(out)).max() > 1e-2

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from composer_jax.config import ConfigError
-from composer_jax.train.config import OptimizerConfig, load_run_config
+from composer_jax.train.config import load_run_config
 from composer_jax.train.lifecycle import StopSignals, interrupted_line, schedule_on_resume
 from composer_jax.train.metrics import MetricsWriter, Progress, read_metrics
 from composer_jax.train.optimizer import wsd_schedule

@@ -113,3 +113,10 @@ def test_rejected_before_compilation():
     with pytest.raises(BatchError, match="rewards"):
         rl_step(None, BAD["NaN reward"][1](_batch()))
     assert rl_step.jitted._cache_size() == 0
+
+
+def test_group_size_that_does_not_divide_the_rows():
+    batch = _batch()
+    three = batch._replace(**{f: getattr(batch, f)[:3] for f in batch._fields if getattr(batch, f) is not None})
+    with pytest.raises(BatchError, match=r"'group_ids': 3 rows are not a whole number of groups of group_size=2"):
+        _check(three)

@@ -30,7 +30,7 @@ def _batch(prefix: int, turn: int, flagged: bool) -> RolloutBatch:
 
 
 def _step_flops(batch: RolloutBatch, context: str, stage: str) -> float:
-    cfg = RLConfig(group_size=ROWS, teacher_context=context)
+    cfg = RLConfig(group_size=ROWS, teacher_context=context, mtp_distill_weight=0.0)   # the teacher's cost alone
     model = nnx.eval_shape(lambda: CausalLM(MODEL, rngs=nnx.Rngs(0)))
     rl_step = RLStep(model, cfg)
     rl_step.validate(batch)

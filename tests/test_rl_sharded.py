@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -13,36 +12,29 @@ from composer_jax.config import MeshConfig
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
+from tests.rl_helpers import adam_first_moment
 
 G = 2
 CFG = RLConfig(group_size=G, kl_coef=0.1, entropy_coef=0.01, sd_coef=0.5, optimizer=replace(rl_optimizer(), lr=1e-3))
 
 
 def _batch():
-    # 8 rows and 8 feedback windows: one of each per data-parallel shard.
-    return synthetic_batch(3, batch=8, seq=32, vocab_size=256, group_size=G, slots=1, window=12, hint_len=3,
-                           with_ref=True)
+    # 16 rows and 16 feedback windows: two micro-batches of 8, one row and one window per data-parallel
+    # shard each; groups interleaved, so each spans both micro-batches.
+    batch = synthetic_batch(3, batch=16, seq=32, vocab_size=256, group_size=G, slots=1, window=12, hint_len=3,
+                            with_ref=True)
+    return batch._replace(group_ids=(np.arange(16) % 8).astype(np.int32))
 
 
-def _adam_first_moment(opt_state):
-    """Adam's first moment as a params-shaped tree (after one step: (1 - b1) x the clipped gradient the
-    step applied), joined from the per-mesh optimizer states."""
-    def mu(group_state):
-        is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-        return next(s for s in jax.tree.leaves(group_state, is_leaf=is_adam) if is_adam(s)).mu
-
-    return opt_state.groups.join([mu(inner) for inner in opt_state.inner])
-
-
-def _run(model):
+def _run(model, cfg):
     """(grads, Adam's first moment, metrics, new state) of one step, as numpy."""
-    rl_step = RLStep(model, CFG)
+    rl_step = RLStep(model, cfg)
     state = rl_step.init_state(model)
     batch = _batch()
-    (_, _), grads = jax.jit(lambda s, b: loss_and_grads(rl_step.graphdef, rl_step.rest, s, b, CFG))(state, batch)
+    (_, _), grads = jax.jit(lambda s, b: loss_and_grads(rl_step.graphdef, rl_step.rest, s, b, cfg))(state, batch)
     new_state, metrics = rl_step(state, batch)
     as_numpy = lambda tree: jax.tree.map(np.asarray, tree)
-    return (as_numpy(grads), as_numpy(_adam_first_moment(new_state.opt_state)),
+    return (as_numpy(grads), as_numpy(adam_first_moment(new_state.opt_state)),
             jax.tree.map(float, metrics), new_state)
 
 
@@ -59,9 +51,9 @@ def _worst(ours, ref):
 
 @pytest.mark.slow
 def test_sharded_rl_step_equals_single_device():
-    """Dense (replica=2, fsdp=4) x expert (ereplica=2, ep=4) with the all-to-all expert dispatch,
-    against one device with ragged dispatch: every metric, the gradients, and the clipped gradient the
-    optimizer applied (Adam's first moment after one step).
+    """Dense (replica=2, fsdp=4) x expert (ereplica=2, ep=4) with the all-to-all expert dispatch and two
+    micro-batches, against one device with ragged dispatch and the whole batch at once: every metric,
+    the gradients, and the clipped gradient the optimizer applied (Adam's first moment after one step).
 
     (Adam's first update itself, g / (|g| + eps), is sign(g) where |g| >> eps: float32 summation-order
     noise in near-zero gradient entries flips it whatever the sharding, so the updated parameters agree
@@ -71,9 +63,10 @@ def test_sharded_rl_step_equals_single_device():
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     with dual:
         shard_model(model, dual)
-        grads, mu, metrics, state = _run(model)
-    ref_grads, ref_mu, ref_metrics, _ = _run(CausalLM(load_config("tiny", ["moe.dispatch=ragged"]), rngs=nnx.Rngs(0)))
-    assert metrics["sd_tokens"] > 0 and metrics["finite"] == 1
+        grads, mu, metrics, state = _run(model, replace(CFG, micro_batch=8))
+    ref_grads, ref_mu, ref_metrics, _ = _run(CausalLM(load_config("tiny", ["moe.dispatch=ragged"]), rngs=nnx.Rngs(0)),
+                                             CFG)
+    assert metrics["sd_tokens"] > 0 and metrics["finite"] == 1 and metrics["loss_mtp"] > 0
     # The loss is a sum of terms that partly cancel: its error is relative to the terms' magnitudes.
     loss_scale = sum(abs(v) for k, v in ref_metrics.items() if k.startswith("loss_"))
     for name, ref in ref_metrics.items():

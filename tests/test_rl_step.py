@@ -14,9 +14,10 @@ from composer_jax import CausalLM, load_config
 from composer_jax.optim.plan import dimension_numbers, pure
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
-from composer_jax.rl.objective import loss_terms
+from composer_jax.rl.objective import loss_terms, step_totals
 from composer_jax.rl.teacher import feedback_rows, teacher_predictions
 from composer_jax.train.state import split_model
+from composer_jax.tree_paths import path_keys
 
 G = 2
 
@@ -63,8 +64,10 @@ def test_self_distillation_vanishes_with_an_empty_hint(model):
     @jax.jit
     def sd(params, batch):
         def f(p):
-            terms, _ = loss_terms(nnx.merge(graphdef, p, biases, rest),
-                                  nnx.merge(graphdef, jax.lax.stop_gradient(p), biases, rest), batch, cfg)
+            totals = step_totals(batch, cfg, depths=0)
+            terms, _, _ = loss_terms(nnx.merge(graphdef, p, biases, rest),
+                                     nnx.merge(graphdef, jax.lax.stop_gradient(p), biases, rest), batch,
+                                     totals.advantages, totals, cfg)
             return terms["sd"]
         value, grads = jax.value_and_grad(f)(params)
         return value, jnp.max(jnp.stack([jnp.abs(g).max() for g in jax.tree.leaves(grads)]))
@@ -81,7 +84,7 @@ def _reference_terms(graphdef, biases, rest, batch, cfg):
     tokens = np.asarray(batch.tokens)
     b, s = tokens.shape
     mask = jnp.asarray(batch.generated, jnp.float32)
-    n = b * s
+    n = b * cfg.max_tokens if cfg.max_tokens else mask.sum()
     adv = losses.group_advantages(jnp.asarray(batch.rewards), jnp.asarray(batch.group_ids))
     contexts = []
     for row, slot in zip(*np.nonzero((batch.teacher_map >= 0).any(-1))):
@@ -126,7 +129,25 @@ def _reference_terms(graphdef, biases, rest, batch, cfg):
                                                        jnp.asarray(tokens[row, pos]), cfg.sd_divergence))
         return cfg.sd_coef * total / sum(len(c[3]) for c in contexts)
 
-    return {"pg": pg, "kl": kl, "entropy": entropy, "sd": sd}
+    def mtp(params):
+        # Gradients stop at the parameters here (everything but the MTP depths is a constant), not at
+        # the activations as in the step; full logits; KL(main at i+k || depth k at i) on generated targets.
+        depths_only = jax.tree_util.tree_map_with_path(
+            lambda path, x: x if path_keys(path)[0] == "mtp" else jax.lax.stop_gradient(x), params)
+        model = nnx.merge(graphdef, depths_only, biases, rest)
+        out = model.forward(jnp.asarray(tokens), jnp.asarray(batch.segment_ids), jnp.asarray(batch.positions))
+        main = jax.nn.log_softmax(model.logits(out.hidden))
+        depths = out.mtp_hidden.shape[0]
+        total = 0.0
+        for k in range(1, depths + 1):
+            draft = jax.nn.log_softmax(model.logits(out.mtp_hidden[k - 1]))[:, :s - k - 1]
+            teacher = main[:, k:s - 1]
+            kl = jnp.sum(jnp.exp(teacher) * (teacher - draft), -1)
+            targets = mask[:, k + 1:]                      # depth k at i predicts token i + k + 1
+            total += jnp.sum(targets * kl) / targets.sum()
+        return cfg.mtp_distill_weight / depths * total
+
+    return {"pg": pg, "kl": kl, "entropy": entropy, "sd": sd, "mtp": mtp}
 
 
 def test_fused_gradient_equals_sum_of_separate_terms(model):
@@ -137,7 +158,7 @@ def test_fused_gradient_equals_sum_of_separate_terms(model):
                            .astype(np.float32))
     # loss_chunk=8: the step's logits come in chunks of 8 positions (31 = 3 x 8 + 7), the reference's whole.
     cfg = RLConfig(group_size=G, kl_coef=0.2, kl_estimator="k2_loss", entropy_coef=0.05, sd_coef=0.5,
-                   is_cap=1.5, loss_chunk=8)
+                   is_cap=1.5, loss_chunk=8, max_tokens=24, mtp_distill_weight=0.3)
     rl_step = RLStep(model, cfg)
     state = rl_step.init_state(model)
     (loss, metrics), fused = jax.jit(lambda st, b: loss_and_grads(rl_step.graphdef, rl_step.rest, st, b, cfg))(
@@ -215,8 +236,8 @@ def test_step_with_muon_matches_optax(model):
     moved = jax.tree_util.tree_flatten_with_path(pure(new_state.params))[0]
     assert len(moved) == len(jax.tree.leaves(updates_ref)) == len(jax.tree.leaves(before))
     for (path, new), old, want in zip(moved, jax.tree.leaves(before), jax.tree.leaves(updates_ref), strict=True):
-        # New params = old + optax's update, to 1e-4 of the update plus float32 rounding of the sum (the
-        # MTP leaves, which the RL loss leaves without gradient, move by weight decay alone: ~1e-6).
+        # New params = old + optax's update, to 1e-4 of the update plus float32 rounding of the sum (a
+        # leaf with a tiny gradient moves by little more than weight decay: ~1e-6).
         want = np.asarray(want)
         error = np.abs(np.asarray(new) - (old + want)).max()
         assert error <= 1e-4 * np.abs(want).max() + 2 * np.spacing(np.abs(old).max()), jax.tree_util.keystr(path)

@@ -115,9 +115,13 @@ def _run_eval(args) -> int:
     try:
         config = EvalConfig(samples=args.samples, max_turns=args.max_turns, workers=args.workers, seed=args.seed)
         tasks = load_task_set(args.tasks_dir)
-        agent = load_agent(args.model, temperature=args.temperature)
-        summary = evaluate(agent, tasks, out, config, sandbox=Sandbox(args.backend),
-                           log=None if args.quiet else lambda line: print(line, file=sys.stderr))
+        agent = load_agent(args.model, temperature=args.temperature, overrides=args.overrides)
+        try:
+            summary = evaluate(agent, tasks, out, config, sandbox=Sandbox(args.backend),
+                               log=None if args.quiet else lambda line: print(line, file=sys.stderr))
+        finally:
+            if hasattr(agent, "close"):   # an engine-backed agent's driver thread
+                agent.close()
     except (EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax eval: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -157,9 +161,14 @@ def _add_eval(sub) -> None:
                    "mean reward, tokens and turns per solved attempt, tool-error rate and lint "
                    "findings added, with bootstrap confidence intervals over tasks. Resumable: "
                    "the same command again skips the attempts already recorded.")
-    r.add_argument("model", metavar="MODEL", help="the agent: scripted:PATH (a JSON file of per-task tool-call "
-                                                  "scripts; engine-backed models are not wired in yet)")
+    r.add_argument("model", metavar="MODEL", help="the agent: a Hugging Face directory, a converted directory or a "
+                                                  "training run, sampled by the inference engine; or scripted:PATH "
+                                                  "(a JSON file of per-task tool-call scripts)")
     r.add_argument("tasks_dir", metavar="TASKS_DIR", help="a directory of task directories (or one task directory)")
+    r.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="engine agent settings: temperature, top_p, top_k, max_new_tokens (per turn), max_len "
+                        "(context per episode), max_slots (episodes decoding at once), steps_per_call, format "
+                        "(plain or kimi); model.KEY=VALUE overrides the model config")
     r.add_argument("--samples", type=int, default=1, metavar="K", help="attempts per task (default 1)")
     r.add_argument("--max-turns", type=int, default=30, metavar="T", help="assistant turns per attempt (default 30)")
     r.add_argument("--temperature", type=float, default=None, metavar="X",

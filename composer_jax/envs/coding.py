@@ -4,7 +4,8 @@
     messages = env.reset(task)                       # tool declaration, instructions, the task
     observation, done, info = env.step(assistant_text)  # tool results as messages; flags; reward when done
 
-A turn's tool calls are carried out in order (up to `submit`); parse errors become error results. The
+A turn's tool calls are carried out in order (up to `submit`); parse errors become error results;
+`info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok). The
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
 (restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted (after
 `inspect(task, workspace)`, when given, has looked at it: what it returns is `info["inspection"]`, e.g.
@@ -25,7 +26,7 @@ from pathlib import Path
 from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_FAILURE, TEST_FILE_EDIT, Flag, HintContext,
                                         flags_for_errors)
 from composer_jax.envs.protocol import ToolFormat, parse_turn
-from composer_jax.envs.tools import TOOL_NAMES, TOOLS, WorkspaceTools
+from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTools
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
 
@@ -100,12 +101,13 @@ class CodingEnv:
         if parsed.errors:
             self.stats["malformed_turns"] += 1
             self.stats["invalid_calls"] += len(parsed.errors)
-        submitted = False
+        submitted, calls = False, []
         for call in parsed.calls:
             self.stats["tool_calls"] += 1
             if call.name == "submit":
                 submitted = True
                 observation.append({"role": "tool", "name": call.call_id, "content": "submitted"})
+                calls.append(CallRecord(call.name, call.arguments, "submitted"))
                 break
             before = self._test_digest() if call.name == "run" else None
             outcome = self._tools.call(call)
@@ -120,11 +122,12 @@ class CodingEnv:
             if edited:
                 flags.append(Flag(TEST_FILE_EDIT, ", ".join(edited)))
             observation.append({"role": "tool", "name": call.call_id, "content": outcome.output})
+            calls.append(CallRecord(call.name, call.arguments, outcome.output, outcome.ok))
         if not parsed.attempted:
             flags.append(Flag(NO_ACTION, "the message has no tool call"))
             observation.append({"role": "user", "content": NO_ACTION_MESSAGE})
         self.done = submitted or self.turn >= self.config.max_turns
-        info = {"turn": self.turn, "flags": flags, "submitted": submitted}
+        info = {"turn": self.turn, "flags": flags, "submitted": submitted, "calls": tuple(calls)}
         if self.done:
             check = check_task(self.task, self.sandbox, workspace=self.workspace)
             info.update(task_reward=check.reward, check=check.to_json(), **self.stats, turns=self.turn)

@@ -20,6 +20,7 @@ import numpy as np
 
 from composer_jax.envs.feedback import Flag, hint_for
 from composer_jax.envs.rewards import EpisodeStats, RewardConfig, compose_reward
+from composer_jax.envs.tools import CallRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Turn:
     end: int                    # one past its last generated token
     flags: tuple[Flag, ...]
     hint: str                   # '' when not flagged
+    calls: tuple[CallRecord, ...] = ()   # the tool calls the environment carried out (when it reports them)
 
 
 class TokenEpisode:
@@ -70,7 +72,8 @@ class TokenEpisode:
         message, ended, _ = text.partition(self.fmt.end_of_turn)
         observation, done, info = self.env.step(message)
         flags = tuple(info["flags"])
-        self.turns.append(Turn(start, len(self.tokens), flags, hint_for(flags, self.env.hint_context)))
+        self.turns.append(Turn(start, len(self.tokens), flags, hint_for(flags, self.env.hint_context),
+                               tuple(info.get("calls", ()))))
         tail = ("" if ended else self.fmt.end_of_turn) + self.fmt.turn_suffix
         if not done:
             tail += "".join(self._render(m) for m in observation) + self.fmt.generation_prompt()

@@ -5,6 +5,10 @@ with the concave length penalty C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)) (Co
 shared/reference/rl.md section 1.2; its q -> 1 limit is log(1 + k x) / k), where x weighs generated
 tokens, tool calls and turns. Weights are `Schedule`s: rules are adjusted as new behaviours appear, so
 a weight can switch on (or change) at a given training step.
+
+`RewardConfig` is a typed config like the others (`composer_jax.config.from_dict` reads it from YAML):
+a weight is a number or a list of [step, value] pairs; an unknown component (`rewards.style_weight`)
+or a bad value is a `ConfigError` naming the dotted key.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import bisect
 import dataclasses
 import math
 
+from composer_jax.config import ConfigError
 
-class RewardConfigError(ValueError):
-    """A reward setting is invalid; the message names it."""
+
+class RewardConfigError(ConfigError):
+    """A reward setting is invalid; `key` names it (from_dict prefixes the section's path)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,26 +34,33 @@ class Schedule:
     def __post_init__(self):
         steps = [s for s, _ in self.points]
         if steps != sorted(set(steps)) or any(s < 0 for s in steps):
-            raise RewardConfigError(f"schedule steps must be distinct, sorted and >= 0, got {steps}")
+            raise RewardConfigError("", f"schedule steps must be distinct, sorted and >= 0, got {steps}")
         if not all(math.isfinite(v) for _, v in self.points):
-            raise RewardConfigError(f"schedule values must be finite, got {self.points}")
+            raise RewardConfigError("", f"schedule values must be finite, got {self.points}")
 
     @classmethod
     def constant(cls, value: float) -> Schedule:
         return cls(((0, float(value)),))
 
     @classmethod
-    def parse(cls, value, name: str) -> Schedule:
-        """A number (constant) or a list of [step, value] pairs."""
+    def from_config(cls, value, key: str) -> Schedule:
+        """A number (constant from step 0), a list of [step, value] pairs, or the {"points": ...} form a
+        saved config holds; RewardConfigError names `key`. (`composer_jax.config` reads Schedule
+        fields through this.)"""
         if isinstance(value, Schedule):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return cls.constant(value)
+        if isinstance(value, dict) and set(value) == {"points"}:
+            value = value["points"]
         try:
-            return cls(tuple((int(s), float(v)) for s, v in value))
-        except (TypeError, ValueError) as e:
-            raise RewardConfigError(f"reward weight '{name}': expected a number or [[step, value], ...], "
-                                    f"got {value!r} ({e})") from None
+            points = tuple((int(s), float(v)) for s, v in value)
+        except (TypeError, ValueError):
+            raise RewardConfigError(key, f"expected a number or [[step, value], ...], got {value!r}") from None
+        try:
+            return cls(points)
+        except RewardConfigError as e:
+            raise RewardConfigError(key, e.detail) from None
 
     def __call__(self, step: int) -> float:
         i = bisect.bisect_right([s for s, _ in self.points], step) - 1
@@ -57,7 +70,7 @@ class Schedule:
 def length_penalty(x: float, k: float, q: float) -> float:
     """C_{k,q}(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)); log(1 + k x) / k at q = 1. Concave in x for q > 0."""
     if k <= 0 or x < 0:
-        raise RewardConfigError(f"length penalty needs k > 0 and x >= 0, got k={k}, x={x}")
+        raise ValueError(f"length penalty needs k > 0 and x >= 0, got k={k}, x={x}")
     if abs(1 - q) < 1e-12:
         return math.log1p(k * x) / k
     return ((1 + k * x) ** (1 - q) - 1) / (k * (1 - q))
@@ -88,14 +101,14 @@ class RewardConfig:
 
     def __post_init__(self):
         for name in ("failed_call_weight", "format_weight", "length_weight"):
-            object.__setattr__(self, name, Schedule.parse(getattr(self, name), name))
+            object.__setattr__(self, name, Schedule.from_config(getattr(self, name), name))
         if not self.length_k > 0:
-            raise RewardConfigError(f"reward 'length_k' must be > 0, got {self.length_k}")
+            raise RewardConfigError("length_k", f"must be > 0, got {self.length_k}")
         if not self.length_q >= 0:
-            raise RewardConfigError(f"reward 'length_q' must be >= 0, got {self.length_q}")
+            raise RewardConfigError("length_q", f"must be >= 0, got {self.length_q}")
         for name in ("length_tokens", "length_calls", "length_turns"):
             if not getattr(self, name) >= 0:
-                raise RewardConfigError(f"reward '{name}' must be >= 0, got {getattr(self, name)}")
+                raise RewardConfigError(name, f"must be >= 0, got {getattr(self, name)}")
 
 
 def compose_reward(task_reward: float, stats: EpisodeStats, config: RewardConfig, step: int = 0) -> dict[str, float]:

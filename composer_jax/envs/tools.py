@@ -49,6 +49,19 @@ class ToolOutcome:
     test_files: tuple[str, ...] = ()    # test files this call wrote to
 
 
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """One carried-out call as the episode keeps it (what the reward-hacking monitor reads)."""
+
+    name: str
+    arguments: dict
+    output: str = ""
+    ok: bool = True
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 class ToolError(Exception):
     """A tool call that cannot be carried out; the message is the observation."""
 

@@ -7,10 +7,12 @@ environment renders prompts and observations with the same format and tokenizer 
 token-out: composer_jax.envs.episode). Episodes of one evaluation run concurrently in worker threads,
 so `turn` must be thread-safe; `end_episode` is called once per episode, however it ended.
 
-`load_agent(spec, ...)` makes one from the MODEL argument of `composer-jax eval`. Today it knows one
-kind, `scripted:PATH`: fixed tool-call scripts per task (a JSON file, see `ScriptedAgent`), used to
-test the evaluation itself. An engine-backed agent (a checkpoint sampled by composer_jax.infer) is a
-new branch there; it imports jax lazily, so composer_jax.eval stays free of it.
+`load_agent(spec, ...)` makes one from the MODEL argument of `composer-jax eval`: `scripted:PATH`,
+fixed tool-call scripts per task (a JSON file, see `ScriptedAgent`) that test the evaluation itself,
+or a model directory (Hugging Face, converted, or a training run) sampled by the inference engine
+(`composer_jax.eval.engine_agent.EngineAgent`, imported only then: composer_jax.eval stays free of jax).
+
+An agent whose context is used up raises `ContextFull` from `turn`: the attempt ends there, unsolved.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ class TurnRequest:
 class AgentTurn:
     tokens: list[int]                   # the turn's ids as generated
     logprobs: list[float] | None = None  # behaviour log-probs, when the agent samples
+    versions: list[int] | None = None   # per token, the version of the weights that produced it
+
+
+class ContextFull(Exception):
+    """Raised by `Agent.turn` when the episode has grown past the agent's context (no room left for a
+    token): the attempt ends unsolved, recorded with status 'context_full'."""
 
 
 class Agent(Protocol):
@@ -122,16 +130,19 @@ class ScriptedAgent:
         """Nothing to release: a script keeps no per-episode state."""
 
 
-def load_agent(spec: str, *, temperature: float | None = None) -> Agent:
+def load_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = ()) -> Agent:
     """The agent a MODEL argument names; `temperature` None: the agent's default.
 
-    `scripted:PATH`: a ScriptedAgent (it does not sample, so a temperature is an error). Engine-backed
-    agents plug in here: a Hugging Face directory, a converted directory or a training run loaded with
-    composer_jax's loaders, sampled by composer_jax.infer at `temperature`, behind the Agent protocol
-    (imports inside the branch keep jax out of composer_jax.eval)."""
+    `scripted:PATH`: a ScriptedAgent (it does not sample: a temperature or settings are an error).
+    Anything else is a model directory (a Hugging Face directory, a converted directory or a training
+    run) sampled by the inference engine: an EngineAgent, configured by `overrides` (`key=value`:
+    EngineAgentConfig fields, `model.KEY=VALUE` model config changes). Call its `close()` when done."""
     if spec.startswith(SCRIPTED):
         if temperature is not None:
             raise EvalError(f"MODEL {spec!r}: a scripted agent does not sample; --temperature does not apply")
+        if overrides:
+            raise EvalError(f"MODEL {spec!r}: a scripted agent takes no settings, got {' '.join(overrides)}")
         return ScriptedAgent(spec[len(SCRIPTED):])
-    raise EvalError(f"MODEL {spec!r}: cannot be evaluated yet: the engine-backed agent (composer_jax.infer) is not "
-                    f"wired in; only {SCRIPTED}PATH agents (JSON tool-call scripts) run")
+    from composer_jax.eval.engine_agent import open_engine_agent   # jax: only for a model
+
+    return open_engine_agent(spec, temperature=temperature, overrides=overrides)

@@ -2,7 +2,9 @@
 
 The episode is a composer_jax.envs.TokenEpisode: the agent's ids go in as generated, observations are
 encoded once, and the history is never re-tokenized. The transcript keeps those ids with each turn's
-span, flags and decoded text, the grading and, for coding tasks, the agent's diff and lint findings.
+span, flags, decoded text and weight versions, the behaviour log-probs, the grading and, for coding
+tasks, the agent's diff and lint findings. An agent out of context (`ContextFull`) ends the attempt
+unsolved and ungraded: reward 0, status 'context_full'.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from pathlib import Path
 
 from composer_jax.envs import TokenEpisode
-from composer_jax.eval.agent import Agent, TurnRequest
+from composer_jax.eval.agent import Agent, ContextFull, TurnRequest
 from composer_jax.eval.store import AttemptRecord, transcript_path, write_json
 
 
@@ -22,15 +24,21 @@ def attempt_seed(seed: int, task: str, sample: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{sample}".encode()).digest()[:4], "little")
 
 
-def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: AttemptRecord) -> dict:
+CONTEXT_FULL = "context_full"
+NO_CALLS = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0}
+
+
+def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: AttemptRecord,
+                versions: list[list[int] | None]) -> dict:
     decode = agent.tokenizer.decode
     return {
         "task": record.task, "sample": record.sample, "seed": record.seed, "agent": agent.name,
         "reward": record.reward, "status": record.status,
         "turns": [{"start": t.start, "end": t.end, "text": decode(episode.tokens[t.start:t.end]),
-                   "flags": [f.to_json() for f in t.flags], "hint": t.hint} for t in episode.turns],
+                   "flags": [f.to_json() for f in t.flags], "hint": t.hint,
+                   "versions": None if v is None else sorted(set(v))} for t, v in zip(episode.turns, versions)],
         "check": info.get("check"), "inspection": info.get("inspection"),
-        "text": decode(episode.tokens), "tokens": list(episode.tokens),
+        "text": decode(episode.tokens), "tokens": list(episode.tokens), "logprobs": list(episode.logprobs),
     }
 
 
@@ -40,25 +48,32 @@ def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) 
     start = time.monotonic()
     key = f"{task.id}/{sample}"
     episode = TokenEpisode(env, agent.tokenizer)
+    versions = []       # per turn, the weight version of each token (None: the agent does not say)
     try:
         new = episode.start(task).tolist()
         while not episode.done:
             turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
+            versions.append(turn.versions)
             new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+    except ContextFull:
+        pass            # the episode stays unfinished: recorded below as such
     finally:
         agent.end_episode(key)
-        if hasattr(env, "close"):   # a CodingEnv left mid-episode (an error) deletes its workspace
+        if hasattr(env, "close"):   # a CodingEnv left mid-episode (out of context, an error) deletes its workspace
             env.close()
-    info = episode.info
-    reward = float(info["task_reward"])
+    if episode.done:
+        info, status = episode.info, (episode.info.get("check") or {}).get("status", "ok")
+        reward, turns = float(info["task_reward"]), info["turns"]
+    else:   # out of context: the calls made so far (CodingEnv keeps its counts in `stats`)
+        info, status = {**NO_CALLS, **getattr(env, "stats", {})}, CONTEXT_FULL
+        reward, turns = 0.0, len(episode.turns)
     lint = (info.get("inspection") or {}).get("lint")
     record = AttemptRecord(
-        task=task.id, sample=sample, seed=seed, reward=reward, solved=reward == 1.0, turns=info["turns"],
+        task=task.id, sample=sample, seed=seed, reward=reward, solved=reward == 1.0, turns=turns,
         generated_tokens=int(sum(episode.generated)), tool_calls=info["tool_calls"] + info["invalid_calls"],
         tool_errors=info["failed_calls"], lint_added=None if lint is None else lint["added"],
-        status=(info.get("check") or {}).get("status", "ok"), wall_s=round(time.monotonic() - start, 3),
-        transcript=transcript_path(task.id, sample))
+        status=status, wall_s=round(time.monotonic() - start, 3), transcript=transcript_path(task.id, sample))
     path = run_dir / record.transcript
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, _transcript(agent, episode, info, record), indent=None)
+    write_json(path, _transcript(agent, episode, info, record, versions), indent=None)
     return record

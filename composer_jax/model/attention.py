@@ -4,6 +4,10 @@ Follows transformers' `DeepseekV3Attention` (shared/reference/kimi_arch.md secti
 queries through `c_q`, keys and values decompressed from the latent `c_kv`, a decoupled rope key shared
 by all heads, and the mscale-adjusted softmax scale. Scores and softmax run in float32.
 
+The attention itself (`attend`) runs by the implementation `model.attention` selects
+(composer_jax.model.attention_ops: dense reference, memory-efficient blockwise, cuDNN), with the mask
+given as per-token vectors (`AttentionMask`), never as a [batch, q, k] array outside a block.
+
 Context parallelism: with the sequence sharded on the dense mesh's `cp` axis, each device keeps its
 queries and all-gathers only the compressed latent (normalised `c_kv` plus the shared rope key:
 kv_lora + rope values per token, 576 at full size, instead of full per-head K and V), then
@@ -20,7 +24,9 @@ import numpy as np
 from flax import nnx
 
 from composer_jax.config import ModelConfig
+from composer_jax.model import attention_ops
 from composer_jax.model import rope as rope_lib
+from composer_jax.model.attention_mask import AttentionMask
 from composer_jax.model.layers import RMSNorm, param, weight
 from composer_jax.parallel.partitioning import gather_sequence
 
@@ -36,16 +42,6 @@ class LatentCache(NamedTuple):
     c_kv: jax.Array
     k_rope: jax.Array
     valid: jax.Array
-
-
-def attention_mask(segment_q: jax.Array, segment_k: jax.Array, order_q: jax.Array, order_k: jax.Array):
-    """bool[batch, q, k]: causal and within one packed document.
-
-    segment_q, order_q: int[batch, q]; segment_k, order_k: int[batch, k]. The orders are the tokens'
-    indices in the original sequence (an arange, or a context-parallel chunk order).
-    """
-    causal = order_k[:, None, :] <= order_q[:, :, None]
-    return causal & (segment_q[:, :, None] == segment_k[:, None, :])
 
 
 def load_balanced_order(seq: int, cp: int) -> np.ndarray:
@@ -69,6 +65,8 @@ class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         mla, d, pd = cfg.mla, cfg.hidden_size, cfg.param_dtype
         self.cfg = mla
+        self.implementation = cfg.attention
+        self.mesh = None  # the DualMesh the attention kernels run on (static; set by parallel.shard_model)
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = rope_lib.softmax_scale(mla, cfg.rope)
         h = mla.num_heads
@@ -103,39 +101,34 @@ class MLA(nnx.Module):
         k_rope = rope_lib.apply_rope(kv_a[:, :, None, mla.kv_lora_rank:], cos, sin)[:, :, 0]  # one shared head
         return c_kv, k_rope
 
-    def _softmax(self, scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """scores: f32[batch, heads, q, k] unscaled; mask: bool[batch, q, k] -> (probs in the compute
-        dtype, each head's largest scaled logit f32[heads], tracked for QK-clip)."""
-        f32 = jnp.float32
-        scores = jnp.where(mask[:, None], scores * self.scale, jnp.finfo(f32).min)
-        max_logits = jax.lax.stop_gradient(scores.max(axis=(0, 2, 3)))
-        return jax.nn.softmax(scores, axis=-1).astype(self.dtype), max_logits
-
-    def attend(self, q: tuple[jax.Array, jax.Array], keys: tuple[jax.Array, jax.Array], mask: jax.Array):
-        """Attention with keys and values decompressed from the latent (training / prefill).
+    def attend(self, q: tuple[jax.Array, jax.Array], keys: tuple[jax.Array, jax.Array], mask: AttentionMask):
+        """Attention with keys and values decompressed from the latent (training / prefill), by the
+        implementation `model.attention` names (composer_jax.model.attention_ops).
 
         q: (q_nope, q_rope) of `query`; keys: (c_kv [batch, k, kv_lora], k_rope [batch, k, rope]) of every
-        key; mask: bool[batch, q, k]. Returns ([batch, q, embed], max_logits f32[heads]).
+        key; mask: which keys each query sees. Returns ([batch, q, embed], max_logits f32[heads]).
         """
-        mla, dt, f32 = self.cfg, self.dtype, jnp.float32
+        mla, dt = self.cfg, self.dtype
         (q_nope, q_rope), (c_kv, k_rope) = q, keys
         kv = jnp.einsum("bsr,rhk->bshk", c_kv.astype(dt), weight(self.kv_b_proj, dt))
         k_nope, v = kv[..., : mla.qk_nope_head_dim], kv[..., mla.qk_nope_head_dim:]  # [b, s_k, h, *]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=f32)
-        scores += jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope.astype(dt), preferred_element_type=f32)
-        probs, max_logits = self._softmax(scores, mask)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)                                 # [b, s, h, v]
+        # One head dim of nope + rope for every kernel; the shared rope key is repeated per head.
+        k_rope = jnp.broadcast_to(k_rope.astype(dt)[:, :, None], k_nope.shape[:3] + k_rope.shape[-1:])
+        out, max_logits = attention_ops.attention(
+            self.implementation, jnp.concatenate([q_nope, q_rope], axis=-1),
+            jnp.concatenate([k_nope, k_rope], axis=-1), v, mask, self.scale, self.mesh)  # [b, s, h, v]
         return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
 
     def attend_absorbed(self, q: tuple[jax.Array, jax.Array], parts: list[tuple[jax.Array, jax.Array]],
-                        mask: jax.Array):
+                        mask: AttentionMask):
         """The same attention with kv_b_proj absorbed (DeepSeek-V3's `attn_impl="absorb"`): its key half
         folds into the query, its value half into the output, so keys are the 576-wide latent itself and
         the cost is O(keys x latent) per query, with nothing decompressed.
 
         parts: the keys as (c_kv [batch, k_i, kv_lora], k_rope [batch, k_i, rope]) blocks (e.g. a cache
-        and the new tokens), concatenated in that order along the key axis of `mask` bool[batch, q, sum k_i]
-        without copying the blocks. Returns ([batch, q, embed], max_logits f32[heads]).
+        and the new tokens), concatenated in that order along the key axis of `mask` (sum k_i keys)
+        without copying the blocks; the few decoded queries take the mask dense.
+        Returns ([batch, q, embed], max_logits f32[heads]).
         """
         mla, dt, f32 = self.cfg, self.dtype, jnp.float32
         q_nope, q_rope = q
@@ -146,19 +139,20 @@ class MLA(nnx.Module):
             jnp.einsum("bqhr,bkr->bhqk", q_latent, c_kv.astype(dt), preferred_element_type=f32)
             + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope.astype(dt), preferred_element_type=f32)
             for c_kv, k_rope in parts], axis=-1)
-        probs, max_logits = self._softmax(scores, mask)
+        probs, max_logits = attention_ops.masked_softmax(scores, mask.visible(), self.scale, dt)
         bounds = np.cumsum([0] + [c.shape[1] for c, _ in parts])
         out_latent = sum(jnp.einsum("bhqk,bkr->bqhr", probs[..., lo:hi], c_kv.astype(dt))
                          for (c_kv, _), lo, hi in zip(parts, bounds[:-1], bounds[1:]))  # [b, s, h, r_kv]
         out = jnp.einsum("bqhr,rhd->bqhd", out_latent, w_uv)                          # [b, s, h, v]
         return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, prefix=None,
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask, prefix=None,
                  absorbed: bool = False):
-        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: bool[batch, seq, prefix + seq_k]
-        (seq_k: the whole sequence; seq: this device's queries under context parallelism); prefix:
+        """x: [batch, seq, embed]; cos, sin: f32[batch, seq, rope/2]; mask: which of the prefix + seq_k keys
+        each query sees (seq_k: the whole sequence; seq: this device's queries under context
+        parallelism); prefix:
         optional (c_kv [batch, prefix, kv_lora], k_rope [batch, prefix, rope]) of earlier tokens that
-        every query may attend to (their mask columns come first); absorbed: use `attend_absorbed`
+        every query may attend to (their mask keys come first); absorbed: use `attend_absorbed`
         (decode) instead of `attend`.
 
         Returns the output [batch, seq, embed], each head's largest scaled attention logit f32[heads]

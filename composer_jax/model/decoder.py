@@ -15,6 +15,11 @@ from composer_jax.model.attention import MLA
 from composer_jax.model.layers import MLP, RMSNorm, stack_axes
 from composer_jax.model.moe import MoE
 
+# train.remat / rl.remat -> the jax.checkpoint policy of each layer: what its backward pass keeps besides
+# the layer's input ('dots': the outputs of matmuls without batch dimensions, i.e. the weight
+# projections; 'full': nothing, None being jax.checkpoint's default). 'none' keeps everything.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
+
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: h + MLA(norm(h)), then h + FFN(norm(h)); FFN is SwiGLU or MoE."""
@@ -59,15 +64,22 @@ def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:
     return stack
 
 
-def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, **kwargs):
+def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, remat: str = "none", **kwargs):
     """Run `layer(carry, *args, **per_layer[i], **kwargs) -> (carry, out)` over a stacked module.
 
-    per_layer: keyword inputs with a leading layers axis, sliced per layer. Returns (carry, stacked outs).
+    per_layer: keyword inputs with a leading layers axis, sliced per layer. remat: what the backward
+    pass keeps of each layer's forward (`REMAT_POLICIES`): with 'full' or 'dots' the layer body is
+    recomputed per layer, so the stack keeps one layer's activations at a time plus each layer's input
+    (and, for 'dots', its matmul outputs). Returns (carry, stacked outs).
     """
+    if remat != "none" and remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r}: expected 'none' or one of {', '.join(REMAT_POLICIES)}")
     graphdef, state = nnx.split(stack)
 
     def body(carry, scanned):
         layer_state, sliced = scanned
         return nnx.merge(graphdef, layer_state)(carry, *args, **(sliced or {}), **kwargs)
 
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return jax.lax.scan(body, carry, (state, per_layer))

@@ -63,15 +63,20 @@ class MTP(nnx.Module):
         self.num_depths = cfg.mtp.num_layers
         self.depths = create_stack(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp.num_layers, rngs)
 
-    def __call__(self, hidden, next_tokens, embed: Embed, cos, sin, mask):
+    def __call__(self, hidden, next_tokens, embed: Embed, cos, sin, mask, remat: str = "none", *,
+                 detach_inputs: bool = False):
         """hidden: [batch, seq, embed] (main model, after final norm); next_tokens: int[depths, batch, seq]
-        (depth k sees t[i+k]: `shifted_tokens`).
+        (depth k sees t[i+k]: `shifted_tokens`); remat: per-depth rematerialisation (`scan_stack`).
+        detach_inputs: `hidden` and the token embeddings enter under stop-gradient, so a loss on the
+        outputs trains the depths alone, not the shared trunk.
 
         Returns head-normed hidden states [depths, batch, seq, embed] and the depths' layer stats
         (each with a leading depths axis).
         """
-        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask,
-                                            per_layer={"emb": embed(next_tokens)})
+        emb = embed(next_tokens)
+        if detach_inputs:
+            hidden, emb = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(emb)
+        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask, per_layer={"emb": emb}, remat=remat)
         return mtp_hidden, stats
 
     def depth(self, k: int) -> MTPDepth:

@@ -12,7 +12,8 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model import rope as rope_lib
-from composer_jax.model.attention import LatentCache, attention_mask, load_balanced_order
+from composer_jax.model.attention import LatentCache, load_balanced_order
+from composer_jax.model.attention_mask import causal_mask
 from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
 from composer_jax.model.mtp import MTP, shifted_tokens
@@ -26,15 +27,6 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
                               segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
-
-
-def with_prefix_columns(mask: jax.Array, valid: jax.Array) -> jax.Array:
-    """bool[batch, q, prefix + k]: `mask` bool[batch, q, k] with the prefix's columns first, visible to
-    every query where `valid` bool[batch, prefix]."""
-    visible = jnp.broadcast_to(valid[:, None, :], mask.shape[:2] + valid.shape[1:])
-    if not jax.typeof(mask).sharding.mesh.empty:  # lay the prefix columns out like the mask
-        visible = jax.sharding.reshard(visible, jax.typeof(mask).sharding.spec)
-    return jnp.concatenate([visible, mask], axis=-1)
 
 
 class SequenceLayout:
@@ -124,7 +116,7 @@ class CausalLM(nnx.Module):
 
     def forward(self, tokens, segment_ids=None, positions=None, *, with_mtp: bool = True,
                 return_latents: bool = False, prefix: LatentCache | None = None,
-                absorbed: bool = False) -> Output:
+                absorbed: bool = False, detach_mtp_inputs: bool = False, remat: str = "none") -> Output:
         """Hidden states of the main model and of every MTP depth.
 
         tokens: int32[batch, seq]; segment_ids: int[batch, seq] (packed documents; attention never
@@ -135,6 +127,10 @@ class CausalLM(nnx.Module):
         flow into the prefix unless the caller stops them.
         absorbed: attention in the absorbed form (`MLA.attend_absorbed`: the decode path; equal to the
         default up to rounding).
+        detach_mtp_inputs: the MTP depths see the main hidden states and the embeddings under
+        stop-gradient (a loss on `mtp_hidden` then trains the depths only: RL's MTP self-distillation).
+        remat: rematerialise each layer in the backward pass ('none', 'dots': keep the matmul outputs,
+        'full': keep only the layer's input; `decoder.REMAT_POLICIES`).
         Under `self.mesh` (a DualMesh) the batch is sharded on (replica, fsdp) and the sequence on cp (in
         the load-balanced chunk order, undone on the outputs); under its inference placement
         (`DualMesh.for_inference()`) the inputs stay where the caller placed them.
@@ -147,10 +143,10 @@ class CausalLM(nnx.Module):
         layout = SequenceLayout(tokens.shape[1], self.mesh)
         order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         order_q, segment_q = layout.place(order), layout.place(segment_ids)
-        mask = attention_mask(segment_q, gather_sequence(segment_q), order_q, gather_sequence(order_q))
+        mask = causal_mask(segment_q, order_q, gather_sequence(segment_q), gather_sequence(order_q))
         if prefix is not None:
             self._check_prefix(prefix, tokens.shape[0], layout, with_mtp)
-            mask = with_prefix_columns(mask, prefix.valid)
+            mask = mask.with_prefix(prefix.valid)
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, layout.place(positions))
         h = self.embed(layout.place(tokens))
         max_logits, latents = [], []
@@ -162,8 +158,8 @@ class CausalLM(nnx.Module):
                 continue
             per_layer = None if prefix is None else {
                 "prefix": (prefix.c_kv[first:first + n], prefix.k_rope[first:first + n])}
-            h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, return_latents=return_latents,
-                                  absorbed=absorbed)
+            h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, remat=remat,
+                                  return_latents=return_latents, absorbed=absorbed)
             first += n
             max_logits.append(stats["max_logits"])
             latents.append(stats.get("latent"))
@@ -173,7 +169,8 @@ class CausalLM(nnx.Module):
         mtp_hidden = mtp_stats = None
         if with_mtp and self.mtp is not None:
             next_tokens = layout.place(shifted_tokens(tokens, self.cfg.mtp.num_layers))
-            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask)
+            mtp_hidden, mtp_stats = self.mtp(hidden, next_tokens, self.embed, cos, sin, mask, remat=remat,
+                                             detach_inputs=detach_mtp_inputs)
             mtp_hidden = layout.restore(mtp_hidden)
         cache = None
         if return_latents:
@@ -212,10 +209,10 @@ class CausalLM(nnx.Module):
             raise ValueError("this model has no MTP depths (mtp.num_layers=0)")
         order = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         same = jnp.zeros(tokens.shape, jnp.int32)
-        mask = attention_mask(same, same, order, order)
+        mask = causal_mask(same, order, same, order)
         layer_prefix = None
         if prefix is not None:
-            mask = with_prefix_columns(mask, prefix.valid)
+            mask = mask.with_prefix(prefix.valid)
             layer_prefix = (prefix.c_kv[depth], prefix.k_rope[depth])
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, positions)
         _, (normed, stats) = self.mtp.depth(depth)(hidden, cos, sin, mask, self.embed(tokens), layer_prefix,

@@ -153,6 +153,8 @@ def validate_batch(batch: RolloutBatch, *, group_size: int, vocab_size: int, nee
     _check_logprobs("behaviour_logprobs", behaviour, generated)
     if not np.isfinite(rewards).all():
         raise BatchError("rewards", f"non-finite reward {_first_bad(~np.isfinite(rewards))}")
+    if b % group_size:
+        raise BatchError("group_ids", f"{b} rows are not a whole number of groups of group_size={group_size}")
     ids, counts = np.unique(groups, return_counts=True)
     if (counts != group_size).any():
         i = int(np.argmax(counts != group_size))

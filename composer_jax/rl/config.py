@@ -22,7 +22,11 @@ class RLConfig:
     """Loss terms (shared/reference/rl.md section 6) and the optimizer of one RL update."""
 
     group_size: int = 8                 # samples per prompt; every group in a batch must be full
-    max_tokens: int = 0                 # Dr. GRPO constant: L_pg sums tokens / (B * max_tokens); 0 = seq len
+    # Dr. GRPO's constant: L_pg, L_kl, L_H divide token sums by B * max_tokens (set it to the rollouts'
+    # generation budget per trajectory). 0: by the step's generated-token count instead (a token mean,
+    # as DAPO). Never the padded length of the batch.
+    max_tokens: int = 0
+    micro_batch: int = 0                # rows per micro-batch (gradient accumulation in the step); 0 = all rows
     is_cap: float = 2.0                 # truncated importance sampling: w = min(pi / pi_behaviour, is_cap)
     kl_coef: float = 0.0                # beta; > 0 needs the batch's `ref_logprobs`
     kl_estimator: Literal["k1_reward", "k2_loss"] = "k1_reward"   # both have the reverse-KL gradient
@@ -31,14 +35,19 @@ class RLConfig:
     sd_divergence: Literal["reverse_kl", "forward_kl", "jsd", "sampled_token"] = "reverse_kl"
     sd_jsd_beta: float = 0.5
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
+    mtp_distill_weight: float = 0.1     # MTP depths' self-distillation toward the policy (trains the depths only)
     loss_chunk: int = 512               # positions per logits block: [rows, chunk, vocab] f32 at a time
+    remat: Literal["none", "full", "dots"] = "none"   # the student forward per layer, as train.remat
     optimizer: OptimizerConfig = dataclasses.field(default_factory=rl_optimizer)  # name=muon selects Muon
     steps: int = 1000                   # optimizer steps of the run (the learning-rate schedule's horizon)
 
     def __post_init__(self):
         checks = [
             ("group_size", self.group_size >= 2, "must be >= 2 (a group baseline needs two samples)"),
-            ("max_tokens", self.max_tokens >= 0, "must be >= 0 (0 = the batch's sequence length)"),
+            ("max_tokens", self.max_tokens >= 0,
+             "must be >= 0 (> 0: Dr. GRPO's constant B * max_tokens; 0: the step's generated-token count)"),
+            ("micro_batch", self.micro_batch >= 0, "must be >= 0 (rows per micro-batch; 0 = the whole batch)"),
+            ("mtp_distill_weight", self.mtp_distill_weight >= 0, "must be >= 0"),
             ("is_cap", self.is_cap >= 1.0, "must be >= 1 (the weight is 1 on-policy)"),
             ("kl_coef", self.kl_coef >= 0, "must be >= 0"),
             ("kl_estimator", self.kl_estimator in ("k1_reward", "k2_loss"),
@@ -53,3 +62,12 @@ class RLConfig:
         for key, ok, message in checks:
             if not ok:
                 raise ConfigError(key, message)
+
+    def micro_batches(self, rows: int) -> int:
+        """How many micro-batches a step of `rows` rows runs (ConfigError if they do not divide)."""
+        if not self.micro_batch:
+            return 1
+        if rows % self.micro_batch:
+            raise ConfigError("micro_batch", f"{rows} rows per step are not a whole number of micro-batches of "
+                                             f"{self.micro_batch} rows")
+        return rows // self.micro_batch

@@ -6,10 +6,10 @@ the policy generated (prompt, tool and environment tokens are 0). `sg` is stop-g
 
 The fused objective (composer_jax/rl/step.py) is
 
-    L = L_pg + L_kl - L_entropy + lambda_sd * L_sd
+    L = L_pg + L_kl - L_entropy + lambda_sd * L_sd   (+ the MTP depths' self-distillation, train/losses.py)
 
-with every term below. Terms are *sums divided by a constant* N (Dr. GRPO), except the
-self-distillation mean over the distilled tokens.
+with every term below. Terms are *sums divided by a constant* N (Dr. GRPO; rl/config.py `max_tokens`),
+except the self-distillation mean over the distilled tokens.
 """
 
 from __future__ import annotations
@@ -192,9 +192,11 @@ def distill_divergence(student_logits: jax.Array, teacher_logits: jax.Array, tar
     raise ValueError(f"unknown divergence {kind!r}; expected reverse_kl, forward_kl, jsd or sampled_token")
 
 
-def self_distillation_loss(divergence: jax.Array, mask: jax.Array) -> jax.Array:
+def self_distillation_loss(divergence: jax.Array, mask: jax.Array, count: jax.Array | None = None) -> jax.Array:
     """L_sd = sum_{i, t in T_i} D_it / sum_i |T_i|: the mean divergence over the flagged turns' tokens.
 
-    divergence, mask: [...] (mask: the distilled tokens). Zero when no turn is flagged.
+    divergence, mask: [...] (mask: the distilled tokens). `count`: the distilled tokens of the whole
+    step when `mask` covers one micro-batch of it (default: mask.sum()). Zero when no turn is flagged.
     """
-    return jnp.sum(divergence * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    count = jnp.sum(mask) if count is None else count
+    return jnp.sum(divergence * mask) / jnp.maximum(count, 1.0)

@@ -3,8 +3,9 @@
 optimizer), in one jitted function with the state donated.
 
 The state is pretraining's `composer_jax.train.state.TrainState` (RL resumes from its checkpoints).
-`RLStep(...)(state, batch)` validates the batch on the host (BatchError names the field) before the
-jitted step is traced or run; nothing inside the step syncs with the host.
+`RLStep(...)(state, batch)` validates the batch on the host (BatchError names the field), puts this
+process's rows on the devices (rl/ingest.py) and runs the jitted step, which accumulates gradients
+over micro-batches of `cfg.micro_batch` rows; nothing inside the step syncs with the host.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from composer_jax.config import ConfigError
 from composer_jax.model import CausalLM
 from composer_jax.rl.batch import RolloutBatch, validate_batch
 from composer_jax.rl.config import RLConfig
+from composer_jax.rl.ingest import data_shards, device_batch, global_rows
 from composer_jax.rl.objective import loss_and_grads
 from composer_jax.train.optimizer import Optimizer, make_optimizer
 from composer_jax.train.state import TrainState, split_model
@@ -58,9 +61,16 @@ class RLStep:
         return TrainState(zero(), params, biases, self.opt.tx.init(params), zero())
 
     def validate(self, batch: RolloutBatch) -> None:
+        """BatchError naming the field (or ConfigError naming `micro_batch`) before anything is traced."""
         validate_batch(batch, group_size=self.cfg.group_size, vocab_size=self.model_cfg.vocab_size,
                        need_ref=self.cfg.kl_coef > 0)
+        self.cfg.micro_batches(global_rows(batch))
+        shards = data_shards(self.dual)
+        if self.cfg.micro_batch % shards:   # the model lays each micro-batch's rows over the data axes
+            raise ConfigError("micro_batch", f"micro-batches of {self.cfg.micro_batch} rows do not split over the "
+                                             f"{shards} data-parallel shards (dense mesh replica x fsdp)")
 
     def __call__(self, state: TrainState, batch: RolloutBatch):
+        """One step on this process's rows (a RolloutBatch of numpy arrays)."""
         self.validate(batch)
-        return self.jitted(state, batch)
+        return self.jitted(state, device_batch(batch, self.dual))

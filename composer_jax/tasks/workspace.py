@@ -57,11 +57,13 @@ def copy_repo(src: Path, dst: Path, *, exclude: tuple[str, ...] = (), exclude_at
     return dst
 
 
-def is_test_file(relpath: str, extra: set[str] = frozenset()) -> bool:
-    """Does this repo-relative path hold tests or test-runner configuration (see module docstring)?"""
+def is_test_file(relpath: str, extra: set[str] = frozenset(), *, runner_files: bool = True) -> bool:
+    """Does this repo-relative path hold tests or (with `runner_files`) test-runner configuration (see
+    module docstring)?"""
     p = PurePosixPath(relpath)
+    patterns = TEST_FILE_PATTERNS + (RUNNER_FILES if runner_files else ())
     return (relpath in extra or any(part in TEST_DIRS for part in p.parts[:-1])
-            or any(fnmatch.fnmatch(p.name, pat) for pat in TEST_FILE_PATTERNS + RUNNER_FILES))
+            or any(fnmatch.fnmatch(p.name, pat) for pat in patterns))
 
 
 def repo_files(root: Path) -> set[str]:

@@ -78,7 +78,7 @@ class TrainConfig:
     batch_size: int = 16              # rows per optimizer step (all devices, all micro-batches)
     seq_len: int = 128                # tokens per packed row
     grad_accum: int = 1               # micro-batches per step; batch_size must divide evenly
-    remat: Literal["none", "full", "dots"] = "none"   # rematerialise the forward in the backward
+    remat: Literal["none", "full", "dots"] = "none"   # per layer: recompute in the backward (dots: keep matmuls)
     loss_chunk: int = 512             # sequence positions per cross-entropy chunk: [batch, chunk, vocab] logits
     mtp_distill_weight: float = 0.1   # MTP self-distillation KL toward the main head (stop-gradient)
     log_every: int = 10               # metrics (and throughput) every N steps: the host syncs only then

@@ -20,6 +20,7 @@ The main head at position i+k predicts the same token t[i+k+1] as MTP depth k at
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -53,12 +54,15 @@ def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
     return jnp.concatenate([h[:, k:], jnp.zeros_like(h[:, :k])], axis=1)[:, : h.shape[1]]
 
 
-def _chunk_sums(head, h, labels, weights, teacher):
-    """Sums over one chunk: [sum w * CE, (sum w * KL(teacher || student))]. h: [batch, chunk, embed]."""
+def _chunk_sums(head, h, labels, weights, teacher, with_ce: bool):
+    """Sums over one chunk: [sum w * CE] (with_ce), then [sum w * KL(teacher || student)] (a teacher).
+    h: [batch, chunk, embed]."""
     logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)      # [batch, chunk, vocab]
     logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    sums = [jnp.sum(weights * ce)]
+    sums = []
+    if with_ce:
+        ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        sums.append(jnp.sum(weights * ce))
     if teacher is not None:
         t_logits = jax.lax.stop_gradient(
             jnp.dot(teacher, head.astype(teacher.dtype), preferred_element_type=jnp.float32))
@@ -69,14 +73,14 @@ def _chunk_sums(head, h, labels, weights, teacher):
 
 
 def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weights: jax.Array, *,
-                   chunk: int, teacher: jax.Array | None = None) -> jax.Array:
+                   chunk: int, teacher: jax.Array | None = None, with_ce: bool = True) -> jax.Array:
     """Chunked cross-entropy (and KL) sums through the output head.
 
     hidden: [batch, seq, embed] (whole sequences); head: [embed, vocab] (whole); labels: int[batch, seq];
     weights: f32[batch, seq]; teacher: [batch, seq, embed] hidden states whose head distribution is the
     stop-gradient KL target. The sequence is cut into chunks of `chunk` positions, so one
     [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard).
-    Returns f32[1] (CE sum) or f32[2] (CE sum, KL sum).
+    Returns the CE sum (unless `with_ce=False`), then the KL sum (with a teacher): f32[1] or f32[2].
     """
     b, s, _ = hidden.shape
     chunk = min(chunk, s)
@@ -88,12 +92,14 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
         return jnp.moveaxis(x, 1, 0)
 
     xs = (chunks(hidden), chunks(labels), chunks(weights), None if teacher is None else chunks(teacher))
-    chunk_fn = jax.checkpoint(_chunk_sums)
+    if not with_ce and teacher is None:
+        raise ValueError("head_loss_sums: nothing to compute (with_ce=False and no teacher)")
+    chunk_fn = jax.checkpoint(functools.partial(_chunk_sums, with_ce=with_ce))
 
     def body(total, x):
         return total + chunk_fn(head, *x), None
 
-    init = jnp.zeros((1 if teacher is None else 2,), jnp.float32)
+    init = jnp.zeros((int(with_ce) + int(teacher is not None),), jnp.float32)
     total, _ = jax.lax.scan(body, init, xs)
     return total
 
@@ -118,6 +124,29 @@ def count_targets(tokens, segment_ids, loss_mask, depths: int) -> tuple[jax.Arra
     return total[0], total[1:]
 
 
+def mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int, with_ce: bool = True,
+                  distill: bool) -> tuple[jax.Array, jax.Array]:
+    """Per-depth MTP sums (CE_k and KL_k of the module docstring, before normalisation): f32[depths]
+    each, zeros for a part not computed (`with_ce=False`: the self-distillation KL alone).
+
+    hidden: [batch, seq, embed] (main model, after the final norm; the KL teacher under stop-gradient);
+    mtp_hidden: [depths, batch, seq, embed]; head: [embed, vocab] (whole); tokens, segment_ids,
+    loss_mask: int[batch, seq] (loss_mask marks the tokens that count as targets).
+    """
+    hidden = gather_sequence(hidden)
+    mtp_hidden = gather_sequence(mtp_hidden, axis=2)
+    mtp_ce, mtp_kl = [], []
+    for k in range(1, mtp_hidden.shape[0] + 1):
+        labels, weights = target_weights(tokens, segment_ids, loss_mask, k + 1)
+        teacher = shift_hidden_left(hidden, k) if distill else None
+        sums = list(head_loss_sums(mtp_hidden[k - 1], head, labels, weights, chunk=chunk, teacher=teacher,
+                                   with_ce=with_ce))
+        mtp_ce.append(sums.pop(0) if with_ce else jnp.zeros((), jnp.float32))
+        mtp_kl.append(sums.pop(0) if distill else jnp.zeros((), jnp.float32))
+    stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,), jnp.float32)  # noqa: E731
+    return stack(mtp_ce), stack(mtp_kl)
+
+
 def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int,
                  distill: bool) -> LossSums:
     """Loss sums of one micro-batch.
@@ -126,26 +155,24 @@ def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, ch
     embed] or None; head: [embed, vocab] (whole); tokens, segment_ids, loss_mask: int[batch, seq].
     """
     hidden = gather_sequence(hidden)
-    mtp_hidden = None if mtp_hidden is None else gather_sequence(mtp_hidden, axis=2)
     labels, weights = target_weights(tokens, segment_ids, loss_mask, 1)
     ce = head_loss_sums(hidden, head, labels, weights, chunk=chunk)[0]
-    mtp_ce, mtp_kl = [], []
-    for k in range(1, 0 if mtp_hidden is None else mtp_hidden.shape[0] + 1):
-        labels, weights = target_weights(tokens, segment_ids, loss_mask, k + 1)
-        teacher = shift_hidden_left(hidden, k) if distill else None
-        sums = head_loss_sums(mtp_hidden[k - 1], head, labels, weights, chunk=chunk, teacher=teacher)
-        mtp_ce.append(sums[0])
-        mtp_kl.append(sums[1] if distill else jnp.zeros((), jnp.float32))
-    stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,), jnp.float32)  # noqa: E731
-    return LossSums(ce, stack(mtp_ce), stack(mtp_kl))
+    if mtp_hidden is None:
+        return LossSums(ce, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+    return LossSums(ce, *mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, chunk=chunk,
+                                       distill=distill))
+
+
+def depth_mean(sums: jax.Array, n_mtp: jax.Array, weight: float) -> jax.Array:
+    """(weight / D) * sum_k sums[k] / n_mtp[k]: a per-depth loss sum f32[D] as its term of the objective
+    (0 without depths)."""
+    depths = sums.shape[0]
+    if not depths:
+        return jnp.zeros((), jnp.float32)
+    return weight / depths * jnp.sum(sums / jnp.maximum(n_mtp, 1.0))
 
 
 def combine(sums: LossSums, n_main, n_mtp, mtp_weight: float, distill_weight: float) -> jax.Array:
     """The scalar objective from sums and (step-global) target counts; see the module docstring."""
-    safe = lambda n: jnp.maximum(n, 1.0)  # noqa: E731
-    loss = sums.ce / safe(n_main)
-    depths = sums.mtp_ce.shape[0]
-    if depths:
-        loss += mtp_weight / depths * jnp.sum(sums.mtp_ce / safe(n_mtp))
-        loss += distill_weight / depths * jnp.sum(sums.mtp_kl / safe(n_mtp))
-    return loss
+    return (sums.ce / jnp.maximum(n_main, 1.0) + depth_mean(sums.mtp_ce, n_mtp, mtp_weight)
+            + depth_mean(sums.mtp_kl, n_mtp, distill_weight))

@@ -3,7 +3,8 @@
 One step (jitted; the state is donated; no host synchronisation inside):
 1. global target counts of the whole step, so micro-batch losses sum to the step mean;
 2. a `lax.scan` over `grad_accum` micro-batches accumulating `value_and_grad` of
-   `losses.combine(lm_loss_sums(...))`, optionally rematerialised (`train.remat`);
+   `losses.combine(lm_loss_sums(...))`, each layer optionally rematerialised (`train.remat`, applied
+   per layer inside the model's scanned stacks);
 3. `update.apply_gradients`: the global gradient norm over both meshes' leaves, a finite guard (if the
    loss or the gradient norm is not finite, params, optimizer state and router biases stay as they
    were and `skipped` counts the step), clipping and the optimizer update;
@@ -20,18 +21,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.data.pipeline import FEATURES
 from composer_jax.model.layers import weight
 from composer_jax.model.router import updated_bias
-from composer_jax.parallel import leafwise
+from composer_jax.parallel import DualMesh, leafwise
+from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.parallel.partitioning import gather_whole
 from composer_jax.train import losses
+from composer_jax.train.accumulate import accumulate
 from composer_jax.train.config import RunConfig
 from composer_jax.train.optimizer import Optimizer
-from composer_jax.train.state import TrainState
+from composer_jax.train.state import StateLayout, TrainState
 from composer_jax.train.update import apply_gradients
-
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
 
 Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batch, seq] (eval)
 
@@ -39,7 +43,7 @@ Batch = dict  # FEATURES -> int32[grad_accum, micro_batch, seq] (train) or [batc
 def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, distill: bool):
     """Loss sums and expert loads of one micro-batch ([batch, seq] arrays)."""
     model = nnx.merge(graphdef, params, biases, rest)
-    out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"])
+    out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"], remat=cfg.train.remat)
     head = weight(model.lm_head, out.hidden.dtype)  # gathered whole if FSDP-sharded
     sums = losses.lm_loss_sums(out.hidden, out.mtp_hidden, head, mb["tokens"], mb["segment_ids"],
                                mb["loss_mask"], chunk=cfg.train.loss_chunk, distill=distill)
@@ -56,14 +60,6 @@ def gather_batch(batch: Batch) -> Batch:
     """The batch whole on every device (it arrives sharded by process over the data axes); the model
     then places tokens on the dense grid itself."""
     return jax.tree.map(gather_whole, batch)
-
-
-def _type_sharding(s: jax.ShapeDtypeStruct):
-    """The sharding of an abstract value as the type system sees it (None when not on a mesh)."""
-    sharding = getattr(s, "sharding", None)
-    if sharding is None or getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
-        return None
-    return sharding
 
 
 def update_biases(biases: nnx.State, loads: dict, rate: float) -> nnx.State:
@@ -85,27 +81,14 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         loss = losses.combine(sums, n_main, n_mtp, mcfg.mtp.loss_weight, tcfg.mtp_distill_weight)
         return loss, (sums, loads, dropped)
 
-    if tcfg.remat != "none":
-        loss_fn = jax.checkpoint(loss_fn, policy=REMAT_POLICIES[tcfg.remat])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: Batch):
         batch = gather_batch(batch)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
 
-        def micro(acc, mb):
-            (loss, aux), grads = grad_fn(state.params, state.biases, mb, n_main, n_mtp)
-            (acc_loss, acc_aux), acc_grads = acc
-            return ((acc_loss + loss, jax.tree.map(jnp.add, acc_aux, aux)),
-                    leafwise.tree_map(jnp.add, acc_grads, grads)), None
-
-        # Zero accumulators with the shardings the gradients will have, then one scan over micro-batches
-        # (a single copy of forward + backward in the compiled step).
-        (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, state.biases,
-                                                  jax.tree.map(lambda x: x[0], batch), n_main, n_mtp)
-        zeros = lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_type_sharding(s))  # noqa: E731
-        acc = ((zeros(loss_s), jax.tree.map(zeros, aux_s)), leafwise.tree_map(zeros, grads_s))
-        ((loss, (sums, loads, dropped)), grads), _ = jax.lax.scan(micro, acc, batch)
+        ((loss, (sums, loads, dropped)), grads) = accumulate(
+            lambda mb: grad_fn(state.params, state.biases, mb, n_main, n_mtp), batch)
 
         new = apply_gradients(opt, state.params, state.opt_state, grads, loss, cfg.optimizer.max_grad_norm)
         finite = new.finite
@@ -149,3 +132,16 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
         return out
 
     return eval_step
+
+
+def lower_train_step(cfg: RunConfig, dual: DualMesh) -> jax.stages.Lowered:
+    """The jitted, donated training step of `cfg` on `dual`, lowered for shape-only state and batch
+    (nothing is allocated): `.compile().memory_analysis()` gives its per-device memory."""
+    layout = StateLayout(cfg, dual)
+    tc = cfg.train
+    shape = (tc.grad_accum, tc.batch_size // tc.grad_accum, tc.seq_len)
+    batch_sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding) for k in FEATURES}
+    with dual:
+        step = jax.jit(make_train_step(cfg, layout.graphdef, layout.rest, layout.opt), donate_argnums=0)
+        return step.lower(layout.abstract, batch)

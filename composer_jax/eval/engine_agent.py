@@ -1,0 +1,292 @@
+"""An agent that samples a model with the inference engine: many episodes decode together in its slots.
+
+    agent = open_engine_agent("runs/x", overrides=["max_slots=16", "max_len=8192"])
+    evaluate(agent, tasks, "out/", EvalConfig(workers=16)); agent.close()
+
+One driver thread owns the `composer_jax.infer.Engine` (which is not thread-safe). Episodes run in
+the evaluation's worker threads; each `turn()` queues a request and waits for its completion. Before
+every engine step the driver takes everything queued (new requests, releases, weight updates), so
+the turns of all waiting episodes decode in the same steps, and a turn that arrives while others
+decode joins them at the next step (continuous batching).
+
+An episode keeps its slot between turns (`keep=True`): the next turn prefills only the tokens the
+environment added (`continue_from`), never the history again. Every turn draws from its own seed,
+`(attempt seed + turn) mod 2**32`, and the engine's draw for a token depends only on that seed and the
+token's position, so an episode's tokens do not depend on which other episodes share its steps: the
+same seeds give the same transcripts with any number of workers.
+
+Each turn returns its tokens with their behaviour log-probs (under the distribution they were drawn
+from) and the version of the weights that produced each one: `update_weights(params, version)` (the
+RL learner, between batches) swaps the engine's weights without recompiling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from composer_jax import config as config_lib
+from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
+from composer_jax.envs.protocol import FORMATS, KimiFormat, ToolFormat, get_format
+from composer_jax.eval.agent import AgentTurn, ContextFull, TurnRequest
+from composer_jax.eval.errors import EvalError
+from composer_jax.infer import Completion, Engine, GenerationError, SamplingParams
+
+MAX_LEN_CAP = 32768   # the default context when the model allows more (the cache is max_slots x max_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineAgentConfig:
+    temperature: float = 1.0        # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0: no limit
+    max_new_tokens: int = 1024      # per assistant turn
+    max_len: int = 0                # context per episode (cache positions); 0: the model's, at most MAX_LEN_CAP
+    max_slots: int = 8              # episodes decoding at once (more workers queue)
+    steps_per_call: int = 8         # decode steps per engine call
+    format: str = ""                # tool-call format; "": kimi if the tokenizer has its special tokens, else plain
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "max_slots", "steps_per_call"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.max_len < 0:
+            raise ConfigError("max_len", f"must be >= 0 (0: the model's), got {self.max_len}")
+        if self.format and self.format not in FORMATS:
+            raise ConfigError("format", f"must be one of {', '.join(FORMATS)} or empty, got {self.format!r}")
+        SamplingParams(self.temperature, self.top_p, self.top_k)   # its checks, ValueError naming the field
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, seed % 2**32)
+
+
+def tool_format(tokenizer: Tokenizer, choice: str = "") -> ToolFormat:
+    """The format `choice` names, or kimi when every Kimi tool-call marker is one token of `tokenizer`
+    (a real Kimi checkpoint), else plain `<tool_call>` text (byte-level and other tokenizers)."""
+    if choice:
+        return get_format(choice)
+    markers = (KimiFormat.SECTION_BEGIN, KimiFormat.CALL_BEGIN, KimiFormat.ARG_BEGIN, KimiFormat.CALL_END,
+               KimiFormat.SECTION_END, KimiFormat.end_of_turn)
+    return get_format("kimi" if all(len(tokenizer.encode(m)) == 1 for m in markers) else "plain")
+
+
+def turn_stops(tokenizer: Tokenizer, fmt: ToolFormat, eos_ids: Sequence[int] = ()) -> tuple[tuple[int, ...],
+                                                                                           tuple[str, ...]]:
+    """(stop tokens, stop strings) that end a turn: the format's end-of-turn marker as a token when the
+    tokenizer makes it one (else as text), and the model's end-of-sequence ids."""
+    end = [int(i) for i in tokenizer.encode(fmt.end_of_turn)]
+    tokens = tuple(dict.fromkeys([*map(int, eos_ids), *(end if len(end) == 1 else [])]))
+    return tokens, (() if len(end) == 1 else (fmt.end_of_turn,))
+
+
+@dataclasses.dataclass
+class _Episode:
+    request_id: int     # its last request, kept in a slot
+    length: int         # tokens the engine holds for it
+
+
+class EngineAgent:
+    """The Agent protocol over an Engine (see the module docstring).
+
+    model: a CausalLM (its `mesh` decides the engine's layout); tokenizer: what the environment encodes
+    with (its ids must be in the model's vocabulary); name: what is evaluated (run.json, `eval
+    compare`); eos_ids: stop tokens besides the format's end-of-turn marker. `settings` (pinned in
+    run.json) holds what changes the tokens: sampling, turn length, context, format and `pinned`
+    (e.g. model overrides); slots and steps per call do not, so a resumed run may change them."""
+
+    def __init__(self, model, tokenizer: Tokenizer, name: str, config: EngineAgentConfig = EngineAgentConfig(), *,
+                 eos_ids: Sequence[int] = (), pinned: dict | None = None):
+        limit = model.cfg.rope.max_position_embeddings
+        max_len = config.max_len or min(limit, MAX_LEN_CAP)
+        if max_len > limit:
+            raise EvalError(f"max_len={max_len} exceeds the model's {limit} positions (rope.max_position_embeddings)")
+        if tokenizer.vocab_size > model.cfg.vocab_size:
+            raise EvalError(f"{name}: the tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
+                            f"of {model.cfg.vocab_size}")
+        self.name, self.config, self.tokenizer = name, config, tokenizer
+        self.fmt = tool_format(tokenizer, config.format)
+        self.stop_tokens, self.stop_strings = turn_stops(tokenizer, self.fmt, eos_ids)
+        try:
+            self.engine = Engine(model, max_slots=config.max_slots, max_len=max_len,
+                                 steps_per_call=config.steps_per_call, eos_ids=self.stop_tokens,
+                                 detokenize=lambda ids: tokenizer.decode(ids))
+        except GenerationError as e:
+            raise EvalError(f"{name}: {e}") from None
+        self.settings = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
+                         "max_new_tokens": config.max_new_tokens, "max_len": max_len, "format": self.fmt.name,
+                         **(pinned or {})}
+        # requests: turns submitted; max_requests_per_step: most requests that advanced in one engine step
+        self.stats: collections.Counter = collections.Counter()
+        self._episodes: dict[str, _Episode] = {}
+        self._inbox: list[tuple[Callable[[], None], Future | None]] = []   # commands, the future each answers
+        self._waiting: dict[int, Future] = {}        # request id -> the future of the worker waiting for it
+        self._wake = threading.Condition()
+        self._closing, self._failure = False, None
+        self._driver = threading.Thread(target=self._drive, name="engine-agent", daemon=True)
+        self._driver.start()
+
+    # ------------------------------------------------------------------------------------------
+    # the Agent protocol (any thread)
+
+    def turn(self, request: TurnRequest) -> AgentTurn:
+        held = self._episodes.get(request.episode)   # stays until a new request replaces it: end_episode frees it
+        if held is not None and not request.turn:   # the key starts over: its old slot goes
+            del self._episodes[request.episode]
+            self._send(lambda: self.engine.release(held.request_id))
+            held = None
+        total, room = len(request.tokens), self.engine.max_len - len(request.tokens)
+        if held is None and request.turn:
+            raise EvalError(f"episode {request.episode}: turn {request.turn} of an episode this agent did not start")
+        if held is not None and total - len(request.new_tokens) != held.length:
+            raise EvalError(f"episode {request.episode}: {total - len(request.new_tokens)} tokens before the new ones, "
+                            f"the engine holds {held.length}: the episode must pass on the turns as generated")
+        if room <= 0:
+            if held is None:
+                raise EvalError(f"task {request.task}: its prompt of {total} tokens does not fit the agent's context "
+                                f"(max_len={self.engine.max_len}); raise max_len")
+            raise ContextFull(f"{total} tokens fill the context (max_len={self.engine.max_len})")
+        future: Future = Future()
+        previous = None if held is None else held.request_id
+        sampling = self.config.sampling(request.seed + request.turn)
+        self._send(lambda: self._submit(list(request.new_tokens), sampling, previous, future), future)
+        try:
+            completion: Completion = future.result()
+        except GenerationError as e:   # refused: the previous request is still kept
+            raise EvalError(f"episode {request.episode}: {e}") from None
+        self._episodes[request.episode] = _Episode(completion.request_id, total + len(completion.tokens))
+        return AgentTurn(list(completion.tokens), list(completion.behaviour_logprobs), list(completion.versions))
+
+    def end_episode(self, episode: str) -> None:
+        held = self._episodes.pop(episode, None)
+        if held is not None and self._failure is None and not self._closing:   # else its slot is gone anyway
+            self._send(lambda: self.engine.release(held.request_id))
+
+    # ------------------------------------------------------------------------------------------
+    # the learner's side
+
+    def update_weights(self, weights, version: int) -> None:
+        """Swap in new weights (a CausalLM or its nnx.State, same shapes) between engine steps; tokens
+        produced from then on record `version`. Returns once they are in place."""
+        done: Future = Future()
+
+        def swap():
+            try:
+                self.engine.update_weights(weights, version)
+                done.set_result(None)
+            except Exception as e:   # handed to the caller, the driver goes on
+                done.set_exception(e)
+
+        self._send(swap, done)
+        done.result()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def close(self) -> None:
+        """Stop the driver once the running requests have finished (turns after this are refused)."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._driver.join()
+
+    def __enter__(self) -> EngineAgent:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # the driver thread
+
+    def _send(self, command: Callable[[], None], answers: Future | None = None) -> None:
+        """Queue `command` for the driver; `answers`: the future it settles (failed if it never runs)."""
+        with self._wake:
+            if self._failure is not None:
+                raise EvalError(f"{self.name}: the engine failed earlier: {self._failure}")
+            if self._closing:
+                raise EvalError(f"{self.name}: the agent is closed")
+            self._inbox.append((command, answers))
+            self._wake.notify()
+
+    def _submit(self, prompt: list[int], sampling: SamplingParams, previous: int | None, future: Future) -> None:
+        try:
+            request_id = self.engine.submit(prompt, max_new_tokens=self.config.max_new_tokens, sampling=sampling,
+                                            stop_strings=self.stop_strings, keep=True, continue_from=previous)
+        except Exception as e:   # a request the engine refuses fails its turn only
+            future.set_exception(e)
+            return
+        self._waiting[request_id] = future
+        self.stats["requests"] += 1
+
+    def _drive(self) -> None:
+        inbox: list = []
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and self.engine.idle and not self._closing:
+                        self._wake.wait()
+                    inbox, self._inbox = self._inbox, []
+                    if self._closing and not inbox and self.engine.idle:
+                        return
+                while inbox:
+                    command, _ = inbox.pop(0)
+                    command()
+                if not self.engine.idle:
+                    self._step()
+        except BaseException as e:   # the engine broke: fail every waiting turn, refuse new ones
+            with self._wake:
+                self._failure = e
+                inbox += self._inbox
+            for future in [*self._waiting.values(), *(f for _, f in inbox if f is not None)]:
+                if not future.done():
+                    future.set_exception(e)
+
+    def _step(self) -> None:
+        updates = self.engine.step()
+        self.stats["engine_steps"] += 1
+        advanced = len({u.request_id for u in updates})
+        self.stats["max_requests_per_step"] = max(self.stats["max_requests_per_step"], advanced)
+        for update in updates:
+            if update.finished is not None:
+                self._waiting.pop(update.request_id).set_result(update.finished)
+
+
+def _load_error(spec: str, e: BaseException) -> EvalError:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return EvalError(f"MODEL {spec!r}: does not load: {text}")
+
+
+def open_engine_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = ()) -> EngineAgent:
+    """An EngineAgent for the model directory `spec` (composer_jax.model_dirs.open_model: a Hugging Face
+    directory, a converted directory or a training run's latest checkpoint, with its tokenizer; a model
+    without one must be byte-level: a 256-id vocabulary). overrides: `key=value` EngineAgentConfig
+    fields and `model.KEY=VALUE` model config changes; `temperature`, when given, wins over theirs."""
+    from composer_jax.model_dirs import open_model
+
+    model_overrides = [o.removeprefix("model.") for o in overrides if o.startswith("model.")]
+    try:
+        agent_overrides = [o for o in overrides if not o.startswith("model.")]
+        if temperature is not None:
+            agent_overrides.append(f"temperature={temperature}")
+        config = config_lib.from_dict(EngineAgentConfig, config_lib.apply_overrides(EngineAgentConfig, {},
+                                                                                    agent_overrides))
+        config_lib.apply_overrides(ModelConfig, {}, model_overrides)   # unknown model keys fail before loading
+    except ValueError as e:   # ConfigError, or SamplingParams' check
+        raise EvalError(f"MODEL {spec!r}: agent setting: {e}") from None
+    try:
+        opened = open_model(spec, model_overrides)
+    except (ValueError, OSError) as e:   # CheckpointError, ConfigError, TokenizerError, FileNotFoundError
+        raise _load_error(spec, e) from None
+    tokenizer = opened.tokenizer
+    if tokenizer is None:
+        if opened.model.cfg.vocab_size != ByteTokenizer.vocab_size:
+            raise EvalError(f"MODEL {spec!r}: no tokenizer (tokenizer.json or tiktoken.model) and a vocabulary of "
+                            f"{opened.model.cfg.vocab_size} ids, not byte-level")
+        tokenizer = ByteTokenizer()
+    return EngineAgent(opened.model, tokenizer, opened.description, config, eos_ids=opened.eos_ids,
+                       pinned={"model_overrides": model_overrides} if model_overrides else None)
