@@ -14,8 +14,14 @@ MEM_FRACTION = 0.9        # XLA_PYTHON_CLIENT_MEM_FRACTION: what JAX may take (s
 def load_plan_config(name: str, overrides):
     """A RunConfig: a run config with overrides, or a model config with default run settings (then the
     overrides are run-config keys: model.moe.dispatch=ep_a2a, train.remat=full, mesh.cp=2)."""
-    from composer_jax.config import apply_overrides, command_line_overrides, from_dict, override_origin, read_yaml
-    from composer_jax.config import resolve_config_path
+    from composer_jax.config import (
+        apply_overrides,
+        command_line_overrides,
+        from_dict,
+        override_origin,
+        read_yaml,
+        resolve_config_path,
+    )
     from composer_jax.train.config import RunConfig, is_run_config, load_run_config
 
     if is_run_config(name):
@@ -100,20 +106,27 @@ def _run_plan(args) -> int:
 
     cfg = load_plan_config(args.config, args.overrides)
     layouts = [parse_layout(text) for text in args.layout]
-    options = dict(attention=args.attention, grouped_matmul=args.grouped_matmul)
+    options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
     train = plan_train(cfg, args.devices, **options)
-    rl = plan_rl(cfg, RLConfig(), args.devices, rows=cfg.train.batch_size, seq=cfg.train.seq_len,
-                 slots=args.rl_slots, window=min(args.rl_window, cfg.train.seq_len), **options)
+    window = min(args.rl_window, cfg.train.seq_len)
+    try:
+        rl = plan_rl(cfg, RLConfig(), args.devices, rows=cfg.train.batch_size, seq=cfg.train.seq_len,
+                     slots=args.rl_slots, window=window, **options)
+    except ConfigError as e:   # a layout the RL step cannot take: the training plan stands alone
+        rl, rl_note = None, f"RL step not planned: {e}"
+    else:
+        rl_note = (f"RL: {cfg.train.batch_size} rows, {args.rl_slots} feedback window(s) of {window} tokens per row, "
+                   f"optimizer {rl.settings['optimizer']}")
+    plans = [train] if rl is None else [train, rl]
     s = train.settings
     print(f"plan: {args.config} on {args.devices} devices, layout {_layout_text(train.sizes)}\n"
-          f"attention {s['attention']}, remat {s['remat']}, dispatch {s['dispatch']} (capacity factor "
-          f"{s['capacity_factor']}), grouped matmul {s['grouped_matmul']}, optimizer {s['optimizer']} (RL: "
-          f"{rl.settings['optimizer']}); train: {cfg.train.batch_size // cfg.train.grad_accum} rows of "
-          f"{cfg.train.seq_len} tokens per micro-batch; RL: {cfg.train.batch_size} rows, {args.rl_slots} feedback "
-          f"window(s) of {min(args.rl_window, cfg.train.seq_len)} tokens per row\n")
-    print(plan_table([train, rl], args.hbm_gb))
+          f"attention {s['attention']} ({s['platform']}), remat {s['remat']}, dispatch {s['dispatch']} (capacity "
+          f"factor {s['capacity_factor']}), grouped matmul {s['grouped_matmul']}, optimizer {s['optimizer']}; "
+          f"train: {cfg.train.batch_size // cfg.train.grad_accum} rows of {cfg.train.seq_len} tokens per "
+          f"micro-batch; {rl_note}\n")
+    print(plan_table(plans, args.hbm_gb))
     report = {"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
-              "hbm_gb": args.hbm_gb, "mem_fraction": MEM_FRACTION, "plans": [train.to_dict(), rl.to_dict()]}
+              "hbm_gb": args.hbm_gb, "mem_fraction": MEM_FRACTION, "plans": [p.to_dict() for p in plans]}
     if cfg.optimizer.name == "muon":
         share = ns_share(cfg.model, train.sizes, ns_dtype=cfg.optimizer.ns_dtype)
         print(f"\nMuon Newton-Schulz per device: {share.per_device / 1e12:.4g} TFLOP, {share.ratio:.4f}x the even "
@@ -184,7 +197,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq-lens", type=_seq_lens, metavar="L1,L2",
                    help="sequence lengths to judge, e.g. 32768,262144 (with --layout alone: train.seq_len)")
     p.add_argument("--attention", choices=("reference", "blockwise", "cudnn", "auto"),
-                   help="attention implementation (default: model.attention, else reference)")
+                   help="attention implementation (default: model.attention)")
+    p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
+                   help="where the step runs, for model.attention=auto: gpu (cuDNN where it applies, else "
+                        "blockwise) or cpu (the dense reference up to 1024 keys, else blockwise); default gpu")
     p.add_argument("--grouped-matmul", choices=("expanded", "kernel"), default="expanded",
                    help="how ragged_dot runs: XLA's expansion over a masked [experts, rows, width] copy (CPU, and "
                         "GPU without a grouped kernel) or a grouped-GEMM kernel (default: expanded)")

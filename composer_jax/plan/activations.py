@@ -30,15 +30,36 @@ from __future__ import annotations
 
 import dataclasses
 
-from composer_jax.config import ModelConfig
+from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.model.attention_ops import IMPLEMENTATIONS, REFERENCE_MAX_KEYS
 from composer_jax.model.expert_parallel import dispatch_rows
 
 F32 = 4
-MEMORY_EFFICIENT = ("blockwise", "cudnn", "auto")
-ATTENTION_IMPLS = ("reference",) + MEMORY_EFFICIENT
+MEMORY_EFFICIENT = ("blockwise", "cudnn")
+PLATFORMS = ("gpu", "cpu")
 REMAT_POLICIES = ("none", "dots", "full")
 GROUPED_MATMULS = ("expanded", "kernel")
 ATTENTION_BLOCK = 512   # key / query block of the memory-efficient attention (its working set only)
+
+
+def planned_attention(cfg: ModelConfig, name: str, platform: str, keys: int, cp: int, prefix: bool = False) -> str:
+    """The implementation `model.attention=name` runs as on `platform` (`attention_ops.choose`'s rules
+    without a device): on a GPU, 'auto' is cuDNN where it applies (16-bit activations, head dims
+    multiples of 8 up to 256, no latent prefix, no context parallelism), else blockwise; on CPU the
+    dense reference up to REFERENCE_MAX_KEYS keys, blockwise beyond."""
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError("model.attention", f"unknown attention {name!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
+    if platform not in PLATFORMS:
+        raise ConfigError("--platform", f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    if name != "auto":
+        return name
+    if platform == "cpu":
+        return "reference" if keys <= REFERENCE_MAX_KEYS else "blockwise"
+    mla = cfg.mla
+    dk, dv = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    heads_ok = max(dk, dv) <= 256 and dk % 8 == 0 and dv % 8 == 0
+    cudnn = cfg.dtype == "bfloat16" and heads_ok and not prefix and cp == 1
+    return "cudnn" if cudnn else "blockwise"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +131,7 @@ def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> int:
     """Transient bytes of one MLA block's backward: the layer's kept scores read out of their stack and
     two score-sized gradients (reference), or four float32 blocks of them (memory-efficient), plus the
     gradients of the keys and values."""
-    h, _, _, nope, rope, dv = _dims(cfg)
+    h, _, _, nope, _, dv = _dims(cfg)
     if impl == "reference":
         scores = s.rows * h * s.queries * s.keys * (3 * F32 + dt)
     else:
@@ -221,12 +242,14 @@ def embedding_working(cfg: ModelConfig, s: Shapes) -> int:
     return cfg.vocab_size * cfg.hidden_size * dt * (2 if s.fsdp > 1 else 1)
 
 
-def loss_working(cfg: ModelConfig, s: Shapes, chunk: int, seq: int) -> int:
-    """The chunked cross-entropy: one [rows, chunk, vocab] block of float32 logits with its softmax
-    and gradient, the whole head in the compute dtype and its float32 gradient block."""
+def loss_working(cfg: ModelConfig, s: Shapes, chunk: int, seq: int, distill: bool = False) -> int:
+    """The chunked cross-entropy (train/losses.py): float32 [rows, chunk, vocab] blocks of one chunk
+    (logits, log-probabilities and their gradient; with the MTP self-distillation also the teacher's
+    logits, log-probabilities, probabilities and the KL), the whole head in the compute dtype and its
+    float32 gradient with the copy its reduction writes."""
     dt = 4 if cfg.dtype == "float32" else 2
     block = s.rows * min(chunk, seq) * cfg.vocab_size * F32
-    return 3 * block + cfg.hidden_size * cfg.vocab_size * (dt + F32)
+    return (3 + 4 * distill) * block + cfg.hidden_size * cfg.vocab_size * (dt + 2 * F32)
 
 
 def global_saved(cfg: ModelConfig, s: Shapes, attention: str) -> dict[str, int]:

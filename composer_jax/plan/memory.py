@@ -56,17 +56,16 @@ class MemoryPlan:
         return out
 
 
-def resolve_settings(cfg: RunConfig, attention: str | None, grouped_matmul: str, optimizer: str):
-    """(attention implementation, the settings a plan reports). `attention` overrides `model.attention`
-    (a key another branch adds; 'reference' before it exists)."""
-    attention = attention or getattr(cfg.model, "attention", "reference")
-    if attention not in act.ATTENTION_IMPLS:
-        raise ConfigError("model.attention", f"unknown attention {attention!r}; expected one of {act.ATTENTION_IMPLS}")
+def resolve_settings(cfg: RunConfig, attention: str | None, grouped_matmul: str, optimizer: str, platform: str,
+                     keys: int, cp: int, prefix: bool = False):
+    """(the attention implementation that runs, the settings a plan reports). `attention` overrides
+    `model.attention`; 'auto' resolves for `platform` (`activations.planned_attention`)."""
+    attention = act.planned_attention(cfg.model, attention or cfg.model.attention, platform, keys, cp, prefix)
     if grouped_matmul not in act.GROUPED_MATMULS:
-        raise ConfigError("", f"grouped matmul must be one of {act.GROUPED_MATMULS}, got {grouped_matmul!r}")
-    return attention, dict(attention=attention, remat=cfg.train.remat, dispatch=cfg.model.moe.dispatch,
-                           capacity_factor=str(cfg.model.moe.capacity_factor), grouped_matmul=grouped_matmul,
-                           optimizer=optimizer)
+        raise ConfigError("--grouped-matmul", f"must be one of {act.GROUPED_MATMULS}, got {grouped_matmul!r}")
+    return attention, {"attention": attention, "remat": cfg.train.remat, "dispatch": cfg.model.moe.dispatch,
+                       "capacity_factor": str(cfg.model.moe.capacity_factor), "grouped_matmul": grouped_matmul,
+                       "optimizer": optimizer, "platform": platform}
 
 
 def layout_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
@@ -93,7 +92,7 @@ def stacked(layers) -> dict[str, int]:
 
 
 def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attention: str | None = None,
-               grouped_matmul: str = "expanded") -> MemoryPlan:
+               grouped_matmul: str = "expanded", platform: str = "gpu") -> MemoryPlan:
     """The training step's per-device memory on `devices` devices laid out by `cfg.mesh`; `seq`
     overrides `train.seq_len` (rows per device stay `train.batch_size / grad_accum` over the data
     axes); `attention` overrides `model.attention`."""
@@ -103,7 +102,8 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
     if sizes["cp"] > 1 and seq % (2 * sizes["cp"]):
         raise ConfigError("mesh.cp", f"cp={sizes['cp']} needs a sequence length divisible by {2 * sizes['cp']}, "
                                      f"got {seq}")
-    attention, settings = resolve_settings(cfg, attention, grouped_matmul, cfg.optimizer.name)
+    attention, settings = resolve_settings(cfg, attention, grouped_matmul, cfg.optimizer.name, platform, seq,
+                                           sizes["cp"])
     leaves = param_leaves(model, sizes)
     state = state_bytes(leaves, cfg.optimizer.name, train.grad_accum)
     micro = train.batch_size // train.grad_accum
@@ -118,7 +118,8 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
     data = sizes["replica"] * sizes["fsdp"]
     batch = 4 * 4 * train.batch_size * seq * (1 + 1 / data)
     backward = {"largest layer backward": max(layer.working for _, layer in layers),
-                "chunked loss": act.loss_working(model, s, train.loss_chunk, seq),
+                "chunked loss": act.loss_working(model, s, train.loss_chunk, seq,
+                                                 distill=model.mtp.num_layers > 0 and train.mtp_distill_weight > 0),
                 "embedding table and gradient": act.embedding_working(model, s)}
     worst = max(backward, key=backward.get)
     update = optimizer_working(leaves, cfg.optimizer)

@@ -14,7 +14,12 @@ from optax.contrib import MuonDimensionNumbers
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.accounting import abstract_model
-from composer_jax.optim.exchange_plan import describe_leaf, matrix_view, ns_flops_per_device, plan_groups
+from composer_jax.optim.exchange_plan import (
+    describe_leaf,
+    matrix_view,
+    ns_flops_per_device,
+    plan_groups,
+)
 from composer_jax.optim.muon import DEFAULT_CHUNKS, DEFAULT_NS_STEPS
 from composer_jax.optim.newton_schulz import ns_flops
 from composer_jax.optim.plan import dimension_numbers

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from composer_jax.config import ConfigError
 from composer_jax.plan import activations as act
-from composer_jax.plan.memory import MemoryPlan, layout_sizes, optimizer_working, resolve_settings
+from composer_jax.plan.memory import (
+    MemoryPlan,
+    layout_sizes,
+    optimizer_working,
+    resolve_settings,
+)
 from composer_jax.plan.state import param_leaves, state_bytes
 from composer_jax.rl.config import RLConfig
 from composer_jax.train.config import RunConfig
@@ -24,7 +29,7 @@ F32 = act.F32
 
 
 def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, slots: int, window: int,
-            attention: str | None = None, grouped_matmul: str = "expanded") -> MemoryPlan:
+            attention: str | None = None, grouped_matmul: str = "expanded", platform: str = "gpu") -> MemoryPlan:
     """Per-device memory of one RL step on `rows` trajectories of `seq` tokens with `slots` feedback
     windows of `window` tokens per row (`slots=0`: no self-distillation), on `cfg`'s model and layout,
     with `rl`'s optimizer. The student keeps what a training step keeps under `cfg.train.remat`."""
@@ -32,7 +37,10 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
     sizes = layout_sizes(cfg, devices)
     if sizes["cp"] > 1 and slots and rl.teacher_context == "prefix":
         raise ConfigError("mesh.cp", "the RL step's prefix teacher runs without context parallelism: set mesh.cp=1")
-    attention, settings = resolve_settings(cfg, attention, grouped_matmul, rl.optimizer.name)
+    # one implementation for the student and the teacher: the one the prefix teacher can run
+    prefix = bool(slots) and rl.teacher_context == "prefix"
+    attention, settings = resolve_settings(cfg, attention, grouped_matmul, rl.optimizer.name, platform,
+                                           seq + window if slots else seq, sizes["cp"], prefix)
     dt = 4 if model.dtype == "float32" else 2
     leaves = param_leaves(model, sizes)
     state = state_bytes(leaves, rl.optimizer.name)
