@@ -7,8 +7,10 @@ devices) for the whole plan; the exchange plan of parameters placed on the devic
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -35,6 +37,7 @@ from composer_jax.train.optimizer import make_optimizer
 from composer_jax.train.state import StateLayout, abstract_model_parts
 
 ONE_DEVICE = resolve_sizes(MeshConfig(), 1)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bytes(tree) -> int:
@@ -128,6 +131,18 @@ def test_muon_share_is_the_exchange_plan_of_placed_parameters():
     share = ns_share(cfg, dual.sizes)
     assert share.per_device == expected
     assert share.ratio <= 1.1
+
+
+def test_bench_muon_tree_is_balanced_within_1_1():
+    """tools/bench_muon.py's tree on its 8 devices: the exchange plan's NS FLOPs per device are within
+    1.1x of total / 8 (whole same-shape batches padded to the device count cost 1.21x)."""
+    spec = importlib.util.spec_from_file_location("bench_muon", ROOT / "tools" / "bench_muon.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tree = bench.kimi_tree()
+    total = bench.ns_total(tree, 5)
+    assert bench.padded_ns_total(tree, 5) / total > 1.2          # what padding each shape to 8 would cost
+    assert bench.planned_ns_flops(tree, 5, 4) <= 1.1 * total / 8
 
 
 def test_kimi_muon_share_on_64_and_256_devices():
