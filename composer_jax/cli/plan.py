@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from composer_jax.cli.common import positive_int, subcommand
+from composer_jax.cli.common import non_negative_int, positive_int, subcommand
 from composer_jax.config import ConfigError, MeshConfig
 
 HBM_GB = 141.0            # an H200
@@ -109,14 +109,17 @@ def _run_plan(args) -> int:
     options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
     train = plan_train(cfg, args.devices, **options)
     window = min(args.rl_window, cfg.train.seq_len)
+    tc = cfg.train   # the RL step with the run's optimizer, remat policy, loss chunk and micro-batches
+    rl_cfg = RLConfig(optimizer=cfg.optimizer, remat=tc.remat, loss_chunk=tc.loss_chunk,
+                      micro_batch=tc.batch_size // tc.grad_accum if tc.grad_accum > 1 else 0)
     try:
-        rl = plan_rl(cfg, RLConfig(), args.devices, rows=cfg.train.batch_size, seq=cfg.train.seq_len,
+        rl = plan_rl(cfg, rl_cfg, args.devices, rows=cfg.train.batch_size, seq=cfg.train.seq_len,
                      slots=args.rl_slots, window=window, **options)
     except ConfigError as e:   # a layout the RL step cannot take: the training plan stands alone
         rl, rl_note = None, f"RL step not planned: {e}"
     else:
-        rl_note = (f"RL: {cfg.train.batch_size} rows, {args.rl_slots} feedback window(s) of {window} tokens per row, "
-                   f"optimizer {rl.settings['optimizer']}")
+        feedback = f"{args.rl_slots} feedback window(s) of {window} tokens" if args.rl_slots else "no feedback windows"
+        rl_note = f"RL: {cfg.train.batch_size} rows of {cfg.train.seq_len} tokens, {feedback} per row"
     plans = [train] if rl is None else [train, rl]
     s = train.settings
     print(f"plan: {args.config} on {args.devices} devices, layout {_layout_text(train.sizes)}\n"
@@ -204,7 +207,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--grouped-matmul", choices=("expanded", "kernel"), default="expanded",
                    help="how ragged_dot runs: XLA's expansion over a masked [experts, rows, width] copy (CPU, and "
                         "GPU without a grouped kernel) or a grouped-GEMM kernel (default: expanded)")
-    p.add_argument("--rl-slots", type=int, default=1, help="RL feedback windows per trajectory (default 1)")
+    p.add_argument("--rl-slots", type=non_negative_int, default=1,
+                   help="RL feedback windows per trajectory (default 1; 0: no self-distillation teacher)")
     p.add_argument("--rl-window", type=positive_int, default=2048, help="tokens per RL feedback window (default 2048)")
     p.add_argument("--hbm-gb", type=float, default=HBM_GB, help=f"memory per device in GB (default {HBM_GB:g}: H200)")
     p.add_argument("--json", metavar="PATH", help="also write the plans and verdicts as JSON")

@@ -32,7 +32,8 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
             attention: str | None = None, grouped_matmul: str = "expanded", platform: str = "gpu") -> MemoryPlan:
     """Per-device memory of one RL step on `rows` trajectories of `seq` tokens with `slots` feedback
     windows of `window` tokens per row (`slots=0`: no self-distillation), on `cfg`'s model and layout,
-    with `rl`'s optimizer. The student keeps what a training step keeps under `cfg.train.remat`."""
+    with `rl`'s optimizer, micro-batches and remat policy (the student keeps what a training step keeps
+    under it)."""
     model = cfg.model
     sizes = layout_sizes(cfg, devices)
     if sizes["cp"] > 1 and slots and rl.teacher_context == "prefix":
@@ -43,10 +44,11 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
                                            seq + window if slots else seq, sizes["cp"], prefix)
     dt = 4 if model.dtype == "float32" else 2
     leaves = param_leaves(model, sizes)
-    state = state_bytes(leaves, rl.optimizer.name)
-    s = act.tokens_per_device(rows, seq, sizes)
+    count = rl.micro_batches(rows)
+    state = state_bytes(leaves, rl.optimizer.name, count)
+    s = act.tokens_per_device(rows // count, seq, sizes)       # one micro-batch's rows
     dense_layers, moe_layers = model.num_dense_layers, model.num_moe_layers  # the RL step runs no MTP
-    layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=cfg.train.remat,
+    layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=rl.remat,
                                        factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul))
               for count, moe in ((dense_layers, False), (moe_layers, True)) if count]
     kept: dict[str, int] = {}
