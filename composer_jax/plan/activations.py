@@ -13,8 +13,9 @@ programs, tests/test_plan.py):
 - a SwiGLU keeps both projections, three silu intermediates and their product (6 values a unit);
 - the reference attention keeps the masked float32 scores and the probabilities (compute dtype), plus
   the per-head keys and values;
-  the memory-efficient implementations (`blockwise`, `cudnn`, `auto`) keep the output and one float32
-  log-sum-exp a query and head (flash attention's residuals) and work on key blocks;
+  the memory-efficient implementations (`blockwise`, `cudnn`) keep the output and one float32
+  log-sum-exp a query and head (flash attention's residuals) and work on blocks; `auto` is one of
+  the three, as `attention_ops.choose` would pick it on the planned platform (`planned_attention`);
 - an FSDP-sharded weight is all-gathered for use and the gathered copy is kept for the backward.
 Rematerialisation per layer (`train.remat`): `none` keeps all of that; `dots` keeps the outputs of the
 projections (matmuls without batch dimensions: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
@@ -32,14 +33,13 @@ import dataclasses
 
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.model.attention_ops import IMPLEMENTATIONS, REFERENCE_MAX_KEYS
+from composer_jax.model.blockwise import K_BLOCK, Q_BLOCK
 from composer_jax.model.expert_parallel import dispatch_rows
 
 F32 = 4
-MEMORY_EFFICIENT = ("blockwise", "cudnn")
 PLATFORMS = ("gpu", "cpu")
 REMAT_POLICIES = ("none", "dots", "full")
 GROUPED_MATMULS = ("expanded", "kernel")
-ATTENTION_BLOCK = 512   # key / query block of the memory-efficient attention (its working set only)
 
 
 def planned_attention(cfg: ModelConfig, name: str, platform: str, keys: int, cp: int, prefix: bool = False) -> str:
@@ -135,7 +135,7 @@ def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> int:
     if impl == "reference":
         scores = s.rows * h * s.queries * s.keys * (3 * F32 + dt)
     else:
-        scores = 4 * s.rows * h * min(ATTENTION_BLOCK, s.queries) * min(ATTENTION_BLOCK, s.keys) * F32
+        scores = 4 * s.rows * h * min(Q_BLOCK, s.queries) * min(K_BLOCK, s.keys) * F32
     return scores + s.rows * s.keys * h * (nope + dv) * dt
 
 
