@@ -13,8 +13,11 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.cli import main
 from composer_jax.config import MeshConfig, load_config
@@ -26,10 +29,14 @@ from composer_jax.optim.exchange_plan import (
 )
 from composer_jax.optim.plan import make_plan, pure
 from composer_jax.parallel import DualMesh
-from composer_jax.parallel.mesh import resolve_sizes
+from composer_jax.parallel.mesh import BATCH_AXES, resolve_sizes
 from composer_jax.plan.memory import plan_train
 from composer_jax.plan.muon import ns_share
+from composer_jax.plan.rl import plan_rl
 from composer_jax.plan.state import param_leaves, state_bytes
+from composer_jax.rl import step as rl_step
+from composer_jax.rl.batch import RolloutBatch
+from composer_jax.rl.config import RLConfig
 from composer_jax.train import step as step_lib
 from composer_jax.train.config import load_run_config
 from composer_jax.train.loop import make_mesh
@@ -110,6 +117,34 @@ def test_plan_matches_compiled_memory(name):
     tc = cfg.train
     batch_shard = 4 * 4 * tc.batch_size * tc.seq_len // (dual.sizes["replica"] * dual.sizes["fsdp"])
     assert 0 <= memory.argument_size_in_bytes - (plan.state + batch_shard) <= 64
+    assert plan.total == pytest.approx(compiled, rel=0.15)
+
+
+@pytest.mark.slow
+def test_rl_plan_matches_compiled_memory():
+    """The RL step (student forward and backward, the prefix teacher over one feedback window per row,
+    the update) on a scaled-down config: the plan's per-device total within 15% of the compiled
+    program's peak."""
+    cfg = load_run_config("pretrain-tiny", BASE + ["train.seq_len=256"])
+    rl = RLConfig(optimizer=cfg.optimizer, group_size=2)
+    dual = make_mesh(cfg)
+    layout = StateLayout(cfg, dual)
+    rows, seq, slots, window = 8, 256, 1, 64
+
+    def rows_sharded(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(dual.dense, P(BATCH_AXES)))
+
+    batch = RolloutBatch(*(rows_sharded((rows, seq), jnp.int32) for _ in range(3)),
+                         rows_sharded((rows, seq), jnp.bool_), rows_sharded((rows, seq), jnp.float32),
+                         rows_sharded((rows,), jnp.float32), rows_sharded((rows,), jnp.int32), None,
+                         rows_sharded((rows, slots, window), jnp.int32), rows_sharded((rows, slots, window), jnp.int32))
+    with dual:
+        step = jax.jit(rl_step.make_step(layout.graphdef, layout.rest, rl, layout.opt), donate_argnums=0)
+        memory = step.lower(layout.abstract, batch).compile().memory_analysis()
+    compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                + memory.temp_size_in_bytes)
+    plan = plan_rl(cfg, rl, 8, rows=rows, seq=seq, slots=slots, window=window, platform="cpu")
+    print(f"rl: plan {plan.total / 1e6:.2f} MB, compiled {compiled / 1e6:.2f} MB, ratio {plan.total / compiled:.3f}")
     assert plan.total == pytest.approx(compiled, rel=0.15)
 
 
