@@ -197,6 +197,10 @@ def test_plan_command_prints_the_table_and_writes_json(tmp_path, capsys):
     expected = plan_train(load_run_config("pretrain-tiny", ["train.batch_size=8"]), 8)
     assert [p["step"] for p in report["plans"]] == ["train", "rl"]
     assert report["plans"][0]["total"] == expected.total
+    for plan in report["plans"]:   # the peak phase decides the total
+        beyond = plan["params"] + plan["biases"] + plan["optimizer"] + plan["batch"]
+        assert beyond + max(plan["phases"].values()) == plan["total"]
+        assert plan["settings"]["phase"] == max(plan["phases"], key=plan["phases"].get)
 
 
 def test_kimi_verdicts_per_layout_and_sequence_length(tmp_path, capsys):

@@ -89,6 +89,8 @@ def plan_table(plans, hbm_gb: float) -> str:
     out.append(f"{f'vs {hbm_gb:g} GB HBM ({usable:.1f} GB usable)':<{width}}"
                + "".join(f"{_verdict(p.total, hbm_gb):>14}" for p in plans))
     for p in plans:
+        phases = ", ".join(f"{name} {_gb(size)}" for name, size in sorted(p.phases.items(), key=lambda kv: -kv[1]))
+        out.append(f"{p.step} phases beyond the state and batch: {phases}")
         for kind in ("activations", "temporaries"):
             items = sorted(p.where[kind].items(), key=lambda kv: -kv[1])[:6]
             if items:

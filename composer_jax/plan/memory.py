@@ -40,7 +40,8 @@ class MemoryPlan:
     temporaries: int                  # the larger phase's working set
     dispatch: int                     # expert exchange buffers of one MoE layer (inside temporaries)
     where: dict[str, dict[str, int]]  # {'activations': {tensor: bytes}, 'temporaries': {...}}
-    settings: dict[str, str]          # attention, remat, dispatch, grouped matmul, optimizer
+    settings: dict[str, str]          # attention, remat, dispatch, grouped matmul, optimizer, platform, phase
+    phases: dict[str, int]            # each phase's bytes beyond the state and the batch (the peak: the largest)
 
     @property
     def state(self) -> int:
@@ -123,10 +124,11 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
                 "embedding table and gradient": act.embedding_working(model, s)}
     worst = max(backward, key=backward.get)
     update = optimizer_working(leaves, cfg.optimizer)
-    if update >= sum(kept.values()) + backward[worst]:
+    phases = {"backward": state.gradients + sum(kept.values()) + backward[worst], "update": state.gradients + update}
+    if phases["update"] >= phases["backward"]:
         phase, activations, temporaries = "update", {}, {"optimizer update": update}
     else:
         phase, activations, temporaries = "backward", kept, {worst: backward[worst]}
     return MemoryPlan("train", devices, sizes, seq, state.params, state.biases, state.optimizer, state.gradients,
                       int(batch), sum(activations.values()), sum(temporaries.values()), act.dispatch_bytes(model, s),
-                      {"activations": activations, "temporaries": temporaries}, dict(settings, phase=phase))
+                      {"activations": activations, "temporaries": temporaries}, dict(settings, phase=phase), phases)

@@ -87,5 +87,6 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
     gradients = state.gradients if phase != "teacher" else 0
     return MemoryPlan("rl", devices, sizes, seq, state.params, state.biases, state.optimizer, gradients, batch,
                       sum(activations.values()), sum(temporaries.values()), act.dispatch_bytes(model, s),
-                      {"activations": activations, "temporaries": temporaries}, dict(settings, phase=phase))
+                      {"activations": activations, "temporaries": temporaries}, dict(settings, phase=phase),
+                      candidates)
 
