@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from optax.contrib import MuonDimensionNumbers as MDN  # noqa: E402
 
 from composer_jax.optim import muon  # noqa: E402
+from composer_jax.optim.exchange_plan import describe_leaf, ns_flops_per_device, plan_groups  # noqa: E402
 from composer_jax.optim.layout import matrix_view  # noqa: E402
 from composer_jax.optim.newton_schulz import ns_flops  # noqa: E402
 
@@ -133,6 +134,37 @@ def padded_ns_total(tree, steps, devices=8):
     return sum(-(-count // devices) * devices * ns_flops(m, n, steps) for (m, n), count in groups.items())
 
 
+def planned_ns_flops(tree, steps, chunks) -> int:
+    """NS FLOPs per device that composer_jax's exchange plan assigns for `tree` on the 8-device meshes
+    (`exchange_plan.ns_flops_per_device`: split layers included; no compile)."""
+    grids = meshes(AxisType.Explicit)
+    leaves = []
+    for shape, axes, dims, grid in tree.values():
+        if dims is not None:
+            mesh = grids[grid]
+            spec = spec_for(shape, axes, EXPERT_RULES if grid == "expert" else DENSE_RULES, mesh)
+            view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
+            leaves.append(describe_leaf(len(leaves), shape, jnp.float32, view, mesh, spec))
+    return ns_flops_per_device(plan_groups(leaves, chunks, tuple(grids.values()), split=True), steps)
+
+
+def print_planned_shares(tree, steps, chunks) -> None:
+    """The planned per-device NS share (x total / devices) of `tree` on 8 devices and of Kimi K2.5's
+    Muon matrices on 64 and 256 devices (composer_jax.plan.muon.ns_share)."""
+    from composer_jax.config import MeshConfig, load_config
+    from composer_jax.parallel.mesh import resolve_sizes
+    from composer_jax.plan.muon import ns_share
+
+    total = ns_total(tree, steps)
+    print(f"bench tree on 8 devices: planned NS FLOPs per device {planned_ns_flops(tree, steps, chunks):.4g}, "
+          f"{planned_ns_flops(tree, steps, chunks) / (total / 8):.4f}x total / 8")
+    kimi = load_config("kimi-k2.5")
+    for devices, mesh in ((64, MeshConfig(fsdp=64, ep=64)), (256, MeshConfig(fsdp=256, ereplica=2, ep=128))):
+        share = ns_share(kimi, resolve_sizes(mesh, devices), steps=steps, chunks=chunks)
+        print(f"kimi-k2.5 on {devices} devices ({mesh.fsdp}-way FSDP, ep={mesh.ep}): {share.matrices:,} matrices, "
+              f"planned NS FLOPs per device {share.per_device:.4g}, {share.ratio:.4f}x total / {devices}")
+
+
 def build(tx_fn, params, steps):
     """(jitted update, compiled, state, grads) for a transformation with `steps` NS steps."""
     tx = tx_fn(steps)
@@ -166,11 +198,16 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the planned NS shares (this tree on 8 devices, Kimi K2.5 on 64 and 256) and exit")
     args = parser.parse_args(argv)
     if len(jax.devices()) != 8:
         raise SystemExit(f"needs 8 devices, found {len(jax.devices())}")
 
     tree = kimi_tree(experts=args.experts, moe_layers=args.moe_layers)
+    if args.plan_only:
+        print_planned_shares(tree, args.ns_steps, args.chunks)
+        return
     rng = np.random.default_rng(0)
     values = {k: (0.02 * rng.standard_normal(shape)).astype(np.float32) for k, (shape, *_) in tree.items()}
     dims = {k: d for k, (_, _, d, _) in tree.items()}
@@ -213,6 +250,7 @@ def main(argv=None):
         "ns_flops_total_padded": padded_ns_total(tree, args.ns_steps),
         "ns_flops_per_device_ideal": total / 8,
         "ns_flops_per_device_ours": results["ours"]["ns_flops"],
+        "ns_flops_per_device_planned": planned_ns_flops(tree, args.ns_steps, args.chunks),
         "ns_flops_per_device_optax": results["optax"]["ns_flops"],
         "ns_share_ours": results["ours"]["ns_flops"] / (total / 8),
         "ns_share_optax": results["optax"]["ns_flops"] / (total / 8),

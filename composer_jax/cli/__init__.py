@@ -19,6 +19,7 @@ from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.cli.agents import _add_eval, _add_tasks
 from composer_jax.cli.common import EXIT_USAGE, human, human_flops
 from composer_jax.cli.models import _add_convert, _add_export, _add_generate, _add_info
+from composer_jax.cli.plan import _add_plan
 from composer_jax.cli.training import _add_config, _add_plot, _add_pretrain, _add_sft
 from composer_jax.config import ConfigError
 from composer_jax.data.errors import DataError
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tasks(sub)
     _add_generate(sub)
     _add_eval(sub)
+    _add_plan(sub)
     return parser
 
 
