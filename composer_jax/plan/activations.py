@@ -129,13 +129,14 @@ def attention_saved(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> dict[str
 
 def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> int:
     """Transient bytes of one MLA block's backward: the layer's kept scores read out of their stack and
-    two score-sized gradients (reference), or four float32 blocks of them (memory-efficient), plus the
+    two score-sized gradients (reference), or three float32 blocks (memory-efficient: the recomputed
+    probabilities, their gradient and the scores' gradient; the scores fuse into the first), plus the
     gradients of the keys and values."""
     h, _, _, nope, _, dv = _dims(cfg)
     if impl == "reference":
         scores = s.rows * h * s.queries * s.keys * (3 * F32 + dt)
     else:
-        scores = 4 * s.rows * h * min(Q_BLOCK, s.queries) * min(K_BLOCK, s.keys) * F32
+        scores = 3 * s.rows * h * min(Q_BLOCK, s.queries) * min(K_BLOCK, s.keys) * F32
     return scores + s.rows * s.keys * h * (nope + dv) * dt
 
 
