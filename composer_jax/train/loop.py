@@ -9,6 +9,12 @@ synchronisation happens only every `log_every` steps (metrics) and at evals and 
 SIGTERM stops the loop after the current step with a checkpoint of it (`train.lifecycle`). Everything
 a run writes lives in RUN_DIR: `config.yaml` (resolved), `metrics.jsonl`, `tb/` (TensorBoard),
 `skipped_records.log` and `checkpoints/`.
+
+In a process group (parallel/distributed.py) every process runs this loop on its own share of the
+data; the dual grid spans all processes' devices, process by process, so its leading axes (`replica`,
+`ereplica`) cross hosts. Checkpoints are written by all processes together (orbax); config.yaml,
+metrics, TensorBoard and the progress bar by process 0 only; each other process keeps its own
+`skipped_records.process<i>.log`.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from composer_jax.config import ConfigError
 from composer_jax.data.sources import resolve_root
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
+from composer_jax.parallel.distributed import process_major_devices
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import step as step_lib
@@ -41,11 +48,15 @@ SKIP_FILE = "skipped_records.log"  # every record the data pipeline skipped or t
 
 
 def make_mesh(cfg: RunConfig) -> DualMesh:
-    """The dual grid over `train.num_devices` devices (0 = all), checked against the batch and model."""
-    devices = jax.devices()
+    """The dual grid over `train.num_devices` devices (0 = all; all of them in a process group, ordered
+    process by process), checked against the batch and model."""
+    devices = process_major_devices()
     n = cfg.train.num_devices or len(devices)
     if n > len(devices):
         raise ConfigError("train.num_devices", f"{n} devices requested, {len(devices)} available")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ConfigError("train.num_devices", f"a group of {jax.process_count()} processes trains on all "
+                                               f"{len(devices)} devices: set 0, not {n}")
     dual = DualMesh(cfg.mesh, devices[:n], model=cfg.model)
     data_parallel = math.prod(dual.sizes[a] for a in BATCH_AXES)
     micro = cfg.train.batch_size // cfg.train.grad_accum
@@ -133,17 +144,25 @@ class Trainer:
         self.checkpoints.save(step, self.state, self.batches.state(), to_dict(self.cfg))
 
     def _open_run_dir(self, start: int) -> metrics_lib.MetricsWriter:
-        """Create RUN_DIR: the resolved config, the skip list, and the logs cut back to `start`."""
+        """Create RUN_DIR: the resolved config, the skip list, and the logs cut back to `start` (process 0;
+        the others write only their skip lists and log nothing)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.batches.skips.write_to(self.skip_file, f"run from step {start}; data paths relative to "
+                                                    f"{resolve_root(self.cfg.data.path)}")
+        if jax.process_index() != 0:
+            return metrics_lib.MetricsWriter(None)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
-        skip_file = self.run_dir / SKIP_FILE
-        self.batches.skips.write_to(skip_file, f"run from step {start}; data paths relative to "
-                                               f"{resolve_root(self.cfg.data.path)}")
         writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
         if writer.dropped:
             where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"
             log.info("dropped %d metrics records logged %s", writer.dropped, where)
         return writer
+
+    @property
+    def skip_file(self) -> Path:
+        """This process's list of skipped records (process 0: SKIP_FILE)."""
+        index = jax.process_index()
+        return self.run_dir / (SKIP_FILE if index == 0 else SKIP_FILE.replace(".log", f".process{index}.log"))
 
     def run(self) -> dict:
         """Train from the current step to `train.steps`, or until SIGINT / SIGTERM. Returns a summary
@@ -154,9 +173,9 @@ class Trainer:
         throughput = metrics_lib.Throughput(tc.batch_size * tc.seq_len, model_info(cfg.model, tc.seq_len).flops.total,
                                             metrics_lib.run_peak_flops(list(self.dual.dense.devices.flat),
                                                                        tc.peak_flops))
-        progress = metrics_lib.Progress(tc.steps, start, tc.progress)
+        progress = metrics_lib.Progress(tc.steps, start, tc.progress, muted=jax.process_index() != 0)
         has_eval = self.batches.eval_data is not None
-        summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.run_dir / SKIP_FILE)}
+        summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.skip_file)}
         t_begin = time.perf_counter()
         pending, step, saved = [], start, self.resumed_from
 
