@@ -58,7 +58,7 @@ class ProcessGroup:
         if not 0 <= self.process_id < self.num_processes:
             raise DistributedError(f"--process-id must be in [0, {self.num_processes}), got {self.process_id} "
                                    f"(from {self.source})")
-        if not re.fullmatch(r"\S+:\d+", self.coordinator):
+        if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):\d+", self.coordinator):  # host or [IPv6], port
             raise DistributedError(f"--coordinator must be HOST:PORT, got {self.coordinator!r} (from {self.source})")
 
 
@@ -90,7 +90,7 @@ def find_group(environ: Mapping[str, str] = os.environ, *, coordinator: str | No
     if process_id is None and "COMPOSER_JAX_PROCESS_ID" in environ:
         process_id = _int(environ["COMPOSER_JAX_PROCESS_ID"], "COMPOSER_JAX_PROCESS_ID")
     port = coordinator_port or DEFAULT_PORT
-    source = "flags"
+    source, explicit = "flags", (coordinator, process_id)
     if "SLURM_JOB_ID" in environ and "SLURM_NTASKS" in environ:
         source = "SLURM"
         if num_processes is None:
@@ -112,7 +112,7 @@ def find_group(environ: Mapping[str, str] = os.environ, *, coordinator: str | No
         if source == "Kubernetes" and num_processes is None:
             raise DistributedError("a Kubernetes indexed job (JOB_COMPLETION_INDEX is set) needs the process count: "
                                    "set COMPOSER_JAX_NUM_PROCESSES or --num-processes")
-        if coordinator is not None or (process_id or 0) > 0:
+        if explicit[0] is not None or (explicit[1] or 0) > 0:
             raise DistributedError(f"--coordinator / --process-id given without --num-processes > 1 (from {source})")
         return None
     if process_id is None:
