@@ -143,8 +143,8 @@ def _pretrain_argv(tmp_path: Path, port: int, peer_timeout: float, extra=()):
 @pytest.mark.slow
 def test_dead_peer_ends_the_other_with_one_line(tmp_path):
     """`composer-jax pretrain` as 2 processes; once steps are being logged, process 1 is killed (SIGKILL):
-    process 0, blocked in the step's collectives, exits with one line naming process 1 within the peer
-    timeout (JAX's own heartbeat would abort later, with a C++ stack trace). Until then only process 0
+    process 0, in the step's collectives (which may hang or fail), exits with one line naming process 1
+    within the peer timeout (JAX's own heartbeat would abort later, with a C++ stack trace). Until then only process 0
     wrote the run's config and metrics."""
     peer_timeout = 20
     procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))
@@ -163,7 +163,7 @@ def test_dead_peer_ends_the_other_with_one_line(tmp_path):
     last = err.strip().splitlines()[-1]
     assert status == EXIT_PEER_LOST, err[-3000:]
     assert last.startswith("composer-jax pretrain: error: process 1 of 2 stopped responding (no heartbeat for "), last
-    assert peer_timeout <= elapsed < peer_timeout + 30, elapsed   # before JAX's backstop (+30 s)
+    assert elapsed < peer_timeout + 30, elapsed   # before JAX's backstop (+30 s)
     run = tmp_path / "run"
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()[:-1]]  # the last may be cut
     assert steps == list(range(1, len(steps) + 1))  # each step logged once: by process 0 only

@@ -53,6 +53,8 @@ def _train_in_group(args, cfg, command: str) -> dict | None:
     (parallel/distributed.py). In a group only process 0 returns the summary. A process that fails
     tells its peers (they stop with its reason) and exits at once: JAX's exit-time shutdown would
     wait for peers that are gone."""
+    import jax
+
     from composer_jax.parallel.distributed import DistributedError, find_group, initialize
     from composer_jax.train.loop import train
 
@@ -68,6 +70,8 @@ def _train_in_group(args, cfg, command: str) -> dict | None:
     try:
         summary = train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the peers before this process ends
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a failed collective: is a peer gone?
+            watchdog.await_peers()
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         watchdog.fail(f"{type(e).__name__}: {reason}")
         if isinstance(e, USAGE_ERRORS):

@@ -16,8 +16,10 @@ A dead peer. JAX's own heartbeat ends a surviving process with a fatal abort and
 `PeerWatchdog` thread beats through the coordination service's key-value store instead and, when a peer
 stops beating for `peer_timeout_s` (or says it failed), prints one line naming the peer and exits with
 EXIT_PEER_LOST: a process blocked in a collective never returns to Python, so only an exit ends it.
-JAX's heartbeat timeout is set a margin later, as a backstop. A process that finishes marks itself
-done (peers stop watching it); one that fails marks itself failed with its one-line reason.
+JAX's heartbeat timeout is set a margin later, as a backstop. A collective whose peer is gone may also
+fail at once (gloo: connection reset); `await_peers` then lets the watchdog name the peer. A process
+that finishes marks itself done (peers stop watching it); one that fails marks itself failed with its
+one-line reason.
 
 On CPU, cross-process collectives need an implementation: gloo is switched on unless the user chose
 (JAX_CPU_COLLECTIVES_IMPLEMENTATION).
@@ -138,6 +140,7 @@ class PeerWatchdog:
         self.group, self.timeout_s, self.label = group, timeout_s, label
         self.interval_s = max(0.2, min(5.0, timeout_s / 6))
         self._stop = threading.Event()
+        self._changed: dict[int, float] = {}    # peer -> when its beat last changed (monotonic), or it finished
         self._thread = threading.Thread(target=self._run, name="composer-jax-peer-watchdog", daemon=True)
 
     def start(self) -> "PeerWatchdog":
@@ -177,12 +180,22 @@ class PeerWatchdog:
                 self._exit(f"process {key.rsplit('/', 1)[-1]} of {n} failed: {reason}")
             for peer, (value, since) in last_seen.items():
                 current = next((v for k, v in beats.items() if k.rsplit("/", 1)[-1] == str(peer)), None)
-                if current != value:
+                if current != value or str(peer) in done:
                     last_seen[peer] = (current, now)
+                    self._changed[peer] = now
                 elif str(peer) not in done and now - since > self.timeout_s:
                     what = "never joined the watch" if value is None else "stopped responding"
                     self._exit(f"process {peer} of {n} {what} (no heartbeat for {now - since:.0f} s, peer timeout "
                                f"{self.timeout_s:g} s): it died or hangs; stopping process {me} too")
+
+    def await_peers(self) -> None:
+        """Return once every peer has beaten (or finished) after this call; a peer that has died ends this
+        process first, with the watchdog's line. For a failed collective: it names the peer at fault, if
+        one is gone, rather than reporting the collective's own error."""
+        since = time.monotonic()
+        while self._thread.is_alive() and any(self._changed.get(p, 0.0) <= since for p in range(self.group.num_processes)
+                                              if p != self.group.process_id):
+            time.sleep(self.interval_s / 4)
 
     def stop(self) -> None:
         self._stop.set()
