@@ -103,7 +103,11 @@ def _finish(procs, timeout: float) -> list[tuple[int, str]]:
 def _worst_relative(ours: dict, ref: dict, prefix: str) -> tuple[float, str]:
     keys = [k for k in ref if k.startswith(prefix)]
     assert keys and all(k in ours for k in keys), prefix
-    return max((float(np.abs(ours[k] - ref[k]).max() / max(np.abs(ref[k]).max(), 1e-30)), k) for k in keys)
+    def relative(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+    return max((relative(ours[k], ref[k]), k) for k in keys)
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ import time
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 EXIT_PEER_LOST = 75           # EX_TEMPFAIL: the job may be retried (it resumes from its last checkpoint)
 DEFAULT_PORT = 12355          # explicit / Kubernetes coordinators given without a port
@@ -243,3 +244,13 @@ def process_major_devices() -> list:
     mesh, the leading axes then span processes (hosts) and the trailing ones stay within a host."""
     devices = jax.devices()
     return [devices[i] for i in sorted(range(len(devices)), key=lambda i: (devices[i].process_index, i))]
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` holds in any process of the group. A collective: every process calls it at the same
+    point of the program."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))

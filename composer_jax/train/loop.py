@@ -14,7 +14,8 @@ In a process group (parallel/distributed.py) every process runs this loop on its
 data; the dual grid spans all processes' devices, process by process, so its leading axes (`replica`,
 `ereplica`) cross hosts. Checkpoints are written by all processes together (orbax); config.yaml,
 metrics, TensorBoard and the progress bar by process 0 only; each other process keeps its own
-`skipped_records.process<i>.log`.
+`skipped_records.process<i>.log`. A signal stops a group after the same step in every process: they
+agree at the next log point (`train.log_every`), so each saves the same checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -32,14 +34,14 @@ from composer_jax.config import ConfigError
 from composer_jax.data.sources import resolve_root
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
-from composer_jax.parallel.distributed import process_major_devices
+from composer_jax.parallel.distributed import any_process, process_major_devices
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import step as step_lib
 from composer_jax.train.batches import Batches
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, to_dict
-from composer_jax.train.lifecycle import StopSignals, schedule_on_resume
+from composer_jax.train.lifecycle import StopSignals, exit_status, schedule_on_resume
 from composer_jax.train.state import StateLayout, TrainState
 
 log = logging.getLogger(__name__)
@@ -178,6 +180,14 @@ class Trainer:
         summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.skip_file)}
         t_begin = time.perf_counter()
         pending, step, saved = [], start, self.resumed_from
+        in_group = jax.process_count() > 1
+
+        def should_stop(log_point: bool) -> bool:
+            """A signal was received (alone), or by any process of the group: they agree at log points
+            only, so that all stop after the same step."""
+            if not in_group:
+                return stop.requested is not None
+            return log_point and any_process(stop.requested is not None)
 
         def log_pending():
             host = jax.device_get([m for _, m in pending])
@@ -205,7 +215,8 @@ class Trainer:
                     evaluate(0)
                 progress.status("compiling the train step")
                 throughput.restart()
-                while step < tc.steps and not stop.requested:
+                stopping = should_stop(False)
+                while step < tc.steps and not stopping:
                     step += 1
                     self.state, m = self.step_fn(self.state, self.batches.next())
                     pending.append((step, m))
@@ -219,12 +230,14 @@ class Trainer:
                     if step % cfg.checkpoint.every == 0 or step == tc.steps:
                         self.save(step)
                         saved = step
-                    if step % tc.log_every == 0 or step == tc.steps:
+                    logged = step % tc.log_every == 0 or step == tc.steps
+                    if logged:
                         log_pending()
-                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stop.requested:
+                    stopping = should_stop(logged)
+                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stopping:
                         evaluate(step)
                         throughput.restart()
-                if stop.requested:  # log and save the steps taken since the last log and checkpoint
+                if stopping:  # log and save the steps taken since the last log and checkpoint
                     if pending:
                         log_pending()
                     if step > start and saved != step:
@@ -233,9 +246,11 @@ class Trainer:
                 self.checkpoints.wait()  # committed while a signal still only asks to stop
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
                            skipped_records=self.batches.skips.summary(), end_step=step)
-            if stop.requested and step < tc.steps:
+            if stopping and step < tc.steps:
                 checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
-                summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
+                signum = stop.requested or signal.SIGTERM   # none here: another process of the group got it
+                summary.update(interrupted=stop.name or "a signal to another process", exit_status=exit_status(signum),
+                               checkpoint=checkpoint)
         finally:
             progress.close()
             writer.close()
