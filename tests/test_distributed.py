@@ -4,6 +4,7 @@ across process counts, and a dead or failed peer ending the others with one line
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -144,22 +145,46 @@ def _pretrain_argv(tmp_path: Path, port: int, peer_timeout: float, extra=()):
                       str(peer_timeout)]
 
 
-@pytest.mark.slow
-def test_dead_peer_ends_the_other_with_one_line(tmp_path):
-    """`composer-jax pretrain` as 2 processes; once steps are being logged, process 1 is killed (SIGKILL):
-    process 0, in the step's collectives (which may hang or fail), exits with one line naming process 1
-    within the peer timeout (JAX's own heartbeat would abort later, with a C++ stack trace). Until then only process 0
-    wrote the run's config and metrics."""
-    peer_timeout = 20
-    procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))
-    metrics = tmp_path / "run" / "metrics.jsonl"
+def _logged_steps(metrics: Path) -> list[int]:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines[:-1]]  # the last line may still be being written
+
+
+def _await_steps(procs, metrics: Path, last_step: int) -> None:
+    """Wait until the group has logged `last_step` (or fail if a process ended first)."""
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+    while not any(s >= last_step for s in _logged_steps(metrics)):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             for p in procs:
                 p.kill()
-            pytest.fail("the group never logged two steps:\n" + procs[0].communicate()[1][-3000:])
+            pytest.fail(f"the group never logged step {last_step}:\n" + procs[0].communicate()[1][-3000:])
         time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_group_stops_together_resumes_and_outlives_a_dead_peer(tmp_path):
+    """`composer-jax pretrain` as 2 processes. SIGTERM to process 1 alone stops both after the same step,
+    with one checkpoint of it, exit status 143 each; relaunched, the group resumes from it; then process 1
+    is killed (SIGKILL) and process 0, in the step's collectives (which may hang or fail), exits with one
+    line naming process 1 within the peer timeout (JAX's own heartbeat would abort later, with a C++
+    stack trace). Only process 0 wrote the run's config and metrics, each step once."""
+    peer_timeout, run = 20, tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))
+    _await_steps(procs, metrics, 2)
+    procs[1].send_signal(signal.SIGTERM)
+    (status0, err0), (status1, err1) = _finish(procs, LAUNCH_TIMEOUT_S)
+    assert status0 == status1 == 143, (err0[-2000:], err1[-2000:])
+    last = err0.strip().splitlines()[-1]
+    stopped = re.match(r"pretrain: interrupted by a signal to another process at step (\d+); checkpoint (\S+) saved", last)
+    assert stopped, last
+    step = int(stopped[1])
+    assert Path(stopped[2]) == run / "checkpoints" / str(step)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [step]
+    assert (run / "config.yaml").is_file() and (run / "skipped_records.process1.log").is_file()
+
+    procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))   # resumes from `step`
+    _await_steps(procs, metrics, step + 2)
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     (status, err), _ = _finish(procs, peer_timeout + 120)
@@ -168,11 +193,8 @@ def test_dead_peer_ends_the_other_with_one_line(tmp_path):
     assert status == EXIT_PEER_LOST, err[-3000:]
     assert last.startswith("composer-jax pretrain: error: process 1 of 2 stopped responding (no heartbeat for "), last
     assert elapsed < peer_timeout + 30, elapsed   # before JAX's backstop (+30 s)
-    run = tmp_path / "run"
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()[:-1]]  # the last may be cut
-    assert steps == list(range(1, len(steps) + 1))  # each step logged once: by process 0 only
-    assert (run / "config.yaml").is_file()
-    assert (run / "skipped_records.log").is_file() and (run / "skipped_records.process1.log").is_file()
+    logged = _logged_steps(metrics)
+    assert logged == list(range(1, len(logged) + 1))   # each step once (process 0 only), cut back on resume
 
 
 @pytest.mark.slow

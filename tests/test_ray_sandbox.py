@@ -1,7 +1,6 @@
 """`--backend ray`: task checks and tool executions on a local Ray cluster started here give what the
 local bubblewrap pool gives; the workspace comes back as the command left it, minus escapes."""
 
-import os
 from pathlib import Path
 
 import pytest

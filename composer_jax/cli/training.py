@@ -27,12 +27,13 @@ def _run_training(args, command: str) -> int:
     quiet_logging()
     from composer_jax.train.lifecycle import interrupted_line
 
-    s = _train_in_group(args, cfg, command)
-    if s is None:  # a process other than 0 of a group: process 0 reports
-        return 0
+    s, reports = _train_in_group(args, cfg, command)
     if "interrupted" in s:
-        print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        if reports:
+            print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
         return s["exit_status"]
+    if not reports:
+        return 0
     line = f"{command}: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_eval_loss" in s and "last_eval_loss" in s:
         drop = 100 * (1 - s["last_eval_loss"] / s["first_eval_loss"])
@@ -48,9 +49,10 @@ def _run_training(args, command: str) -> int:
     return 0
 
 
-def _train_in_group(args, cfg, command: str) -> dict | None:
+def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
     """Train alone, or as one process of the group the flags and the environment describe
-    (parallel/distributed.py). In a group only process 0 returns the summary. A process that fails
+    (parallel/distributed.py): (the run's summary, whether this process reports it: alone or process 0).
+    A process that fails
     tells its peers (they stop with its reason) and exits at once: JAX's exit-time shutdown would
     wait for peers that are gone."""
     import jax
@@ -62,7 +64,7 @@ def _train_in_group(args, cfg, command: str) -> dict | None:
         group = find_group(coordinator=args.coordinator, num_processes=args.num_processes,
                            process_id=args.process_id, coordinator_port=args.coordinator_port)
         if group is None:
-            return train(cfg)
+            return train(cfg), True
         watchdog = initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
                               label=f"composer-jax {command}")
     except DistributedError as e:  # a usage error too: one line
@@ -82,7 +84,7 @@ def _train_in_group(args, cfg, command: str) -> dict | None:
         sys.stderr.flush()
         os._exit(EXIT_USAGE if isinstance(e, USAGE_ERRORS) else 1)
     watchdog.finish()
-    return summary if group.process_id == 0 else None
+    return summary, group.process_id == 0
 
 
 def _add_distributed_flags(p) -> None:

@@ -144,7 +144,7 @@ class PeerWatchdog:
         self._changed: dict[int, float] = {}    # peer -> when its beat last changed (monotonic), or it finished
         self._thread = threading.Thread(target=self._run, name="composer-jax-peer-watchdog", daemon=True)
 
-    def start(self) -> "PeerWatchdog":
+    def start(self) -> PeerWatchdog:
         self._thread.start()
         return self
 
@@ -164,10 +164,10 @@ class PeerWatchdog:
             try:
                 beat += 1
                 client.key_value_set(f"{_KEY}/beat/{me}", str(beat), allow_overwrite=True)
-                beats = dict(client.key_value_dir_get(f"{_KEY}/beat/"))
+                beats = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(f"{_KEY}/beat/")}
                 done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(f"{_KEY}/done/")}
                 failed = client.key_value_dir_get(f"{_KEY}/failed/")
-            except Exception as e:  # the coordination service (process 0) is unreachable
+            except Exception as e:  # noqa: BLE001 - the coordination service (process 0) is unreachable
                 if self._stop.is_set():
                     return
                 if now - coordinator_ok > self.timeout_s:
@@ -180,11 +180,11 @@ class PeerWatchdog:
                 key, reason = failed[0]
                 self._exit(f"process {key.rsplit('/', 1)[-1]} of {n} failed: {reason}")
             for peer, (value, since) in last_seen.items():
-                current = next((v for k, v in beats.items() if k.rsplit("/", 1)[-1] == str(peer)), None)
+                current = beats.get(str(peer))
                 if current != value or str(peer) in done:
                     last_seen[peer] = (current, now)
                     self._changed[peer] = now
-                elif str(peer) not in done and now - since > self.timeout_s:
+                elif now - since > self.timeout_s:
                     what = "never joined the watch" if value is None else "stopped responding"
                     self._exit(f"process {peer} of {n} {what} (no heartbeat for {now - since:.0f} s, peer timeout "
                                f"{self.timeout_s:g} s): it died or hangs; stopping process {me} too")
