@@ -17,7 +17,8 @@ A dead peer. JAX's own heartbeat ends a surviving process with a fatal abort and
 stops beating for `peer_timeout_s` (or says it failed), prints one line naming the peer and exits with
 EXIT_PEER_LOST: a process blocked in a collective never returns to Python, so only an exit ends it.
 JAX's heartbeat timeout is set a margin later, as a backstop. A collective whose peer is gone may also
-fail at once (gloo: connection reset); `await_peers` then lets the watchdog name the peer. A process
+fail at once (gloo: connection reset); `await_peers` then pings the peers (the watchdogs answer
+through the store) and lets the watchdog name the one that does not answer. A process
 that finishes marks itself done (peers stop watching it); one that fails marks itself failed with its
 one-line reason.
 
@@ -141,7 +142,7 @@ class PeerWatchdog:
         self.group, self.timeout_s, self.label = group, timeout_s, label
         self.interval_s = max(0.2, min(5.0, timeout_s / 6))
         self._stop = threading.Event()
-        self._changed: dict[int, float] = {}    # peer -> when its beat last changed (monotonic), or it finished
+        self._done: set[str] = set()            # peers that have finished
         self._thread = threading.Thread(target=self._run, name="composer-jax-peer-watchdog", daemon=True)
 
     def start(self) -> PeerWatchdog:
@@ -167,6 +168,9 @@ class PeerWatchdog:
                 beats = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(f"{_KEY}/beat/")}
                 done = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(f"{_KEY}/done/")}
                 failed = client.key_value_dir_get(f"{_KEY}/failed/")
+                for key, nonce in client.key_value_dir_get(f"{_KEY}/ping/"):   # answer `await_peers` of others
+                    client.key_value_set(f"{_KEY}/pong/{key.rsplit('/', 1)[-1]}/{nonce}/{me}", "1",
+                                         allow_overwrite=True)
             except Exception as e:  # noqa: BLE001 - the coordination service (process 0) is unreachable
                 if self._stop.is_set():
                     return
@@ -175,7 +179,7 @@ class PeerWatchdog:
                                f"for {now - coordinator_ok:.0f} s (peer timeout {self.timeout_s:g} s): "
                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
                 continue
-            coordinator_ok = now
+            coordinator_ok, self._done = now, done
             if failed:
                 key, reason = failed[0]
                 self._exit(f"process {key.rsplit('/', 1)[-1]} of {n} failed: {reason}")
@@ -183,20 +187,26 @@ class PeerWatchdog:
                 current = beats.get(str(peer))
                 if current != value or str(peer) in done:
                     last_seen[peer] = (current, now)
-                    self._changed[peer] = now
                 elif now - since > self.timeout_s:
                     what = "never joined the watch" if value is None else "stopped responding"
                     self._exit(f"process {peer} of {n} {what} (no heartbeat for {now - since:.0f} s, peer timeout "
                                f"{self.timeout_s:g} s): it died or hangs; stopping process {me} too")
 
     def await_peers(self) -> None:
-        """Return once every peer has beaten (or finished) after this call; a peer that has died ends this
-        process first, with the watchdog's line. For a failed collective: it names the peer at fault, if
-        one is gone, rather than reporting the collective's own error."""
-        since = time.monotonic()
-        while self._thread.is_alive() and any(self._changed.get(p, 0.0) <= since for p in range(self.group.num_processes)
-                                              if p != self.group.process_id):
-            time.sleep(self.interval_s / 4)
+        """Return once every peer has answered a ping sent now (or has finished); a peer that has died
+        never answers, and the watchdog ends this process first, with its line naming the peer. For a
+        failed collective: the peer at fault is named, if one is gone, rather than the collective's error."""
+        me, client, nonce = self.group.process_id, _client(), str(time.time_ns())
+        peers = {str(p) for p in range(self.group.num_processes) if p != me}
+        try:
+            client.key_value_set(f"{_KEY}/ping/{me}", nonce, allow_overwrite=True)
+            while self._thread.is_alive():
+                answered = {k.rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(f"{_KEY}/pong/{me}/{nonce}/")}
+                if peers <= answered | self._done:
+                    return
+                time.sleep(self.interval_s / 4)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the watchdog (or JAX) ends this process
+            time.sleep(2 * self.timeout_s)
 
     def stop(self) -> None:
         self._stop.set()
