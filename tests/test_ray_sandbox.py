@@ -1,14 +1,17 @@
 """`--backend ray`: task checks and tool executions on a local Ray cluster started here give what the
 local bubblewrap pool gives; the workspace comes back as the command left it, minus escapes."""
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
 import ray
 
+from composer_jax import cli
 from composer_jax.envs.protocol import ToolCall
 from composer_jax.envs.tools import WorkspaceTools
-from composer_jax.sandbox import Sandbox, SandboxError, make_sandbox
+from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable, make_sandbox
 from composer_jax.sandbox.ray_sandbox import RaySandbox
 from composer_jax.tasks import check_tasks, load_task
 from tests.test_tasks import MIXED, MIXED_TESTS, tree_digest, write_task
@@ -38,6 +41,11 @@ def test_task_checks_on_ray_match_the_local_pool(ray_sandbox, tmp_path):
         assert (ours.task, ours.reward, ours.passed, ours.failed, ours.status) == \
                (ref.task, ref.reward, ref.passed, ref.failed, ref.status)
     assert [tree_digest(task.repo) for task in tasks] == before   # task directories untouched
+    # The command line's `--backend ray` (on the Ray started above) reports the same rewards.
+    out = tmp_path / "checks.jsonl"
+    assert cli.main(["tasks", "check", *[str(t.root) for t in tasks], "--backend", "ray", "--workers", "3",
+                     "--json", str(out)]) == 0
+    assert [json.loads(line)["reward"] for line in out.read_text().splitlines()] == [r.reward for r in local]
 
 
 def test_tool_run_on_ray_brings_the_workspace_back(ray_sandbox, tmp_path):
@@ -69,3 +77,9 @@ def test_ray_sandbox_refuses_host_mounts(ray_sandbox, tmp_path):
     with pytest.raises(SandboxError, match="ro_binds name paths of this machine"):
         ray_sandbox.run("true", tmp_path, ro_binds={"/usr": "/opt/usr"})
     assert isinstance(ray_sandbox, RaySandbox)
+
+
+def test_ray_backend_without_ray_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)   # as if not installed: `import ray` raises ImportError
+    with pytest.raises(SandboxUnavailable, match=r"needs Ray: pip install 'composer-jax\[ray\]'"):
+        make_sandbox("ray")
