@@ -52,9 +52,8 @@ def _run_training(args, command: str) -> int:
 def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
     """Train alone, or as one process of the group the flags and the environment describe
     (parallel/distributed.py): (the run's summary, whether this process reports it: alone or process 0).
-    A process that fails
-    tells its peers (they stop with its reason) and exits at once: JAX's exit-time shutdown would
-    wait for peers that are gone."""
+    A process that fails tells its peers (they stop with its reason) and exits at once: JAX's exit-time
+    shutdown would wait for peers that are gone."""
     import jax
 
     from composer_jax.parallel.distributed import DistributedError, find_group, initialize
@@ -63,12 +62,12 @@ def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
     try:
         group = find_group(coordinator=args.coordinator, num_processes=args.num_processes,
                            process_id=args.process_id, coordinator_port=args.coordinator_port)
-        if group is None:
-            return train(cfg), True
-        watchdog = initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
-                              label=f"composer-jax {command}")
+        watchdog = group and initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
+                                        label=f"composer-jax {command}")
     except DistributedError as e:  # a usage error too: one line
         raise ConfigError("", str(e)) from None
+    if group is None:
+        return train(cfg), True
     try:
         summary = train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the peers before this process ends
