@@ -197,7 +197,6 @@ def test_group_stops_together_resumes_and_outlives_a_dead_peer(tmp_path):
     assert logged == list(range(1, len(logged) + 1))   # each step once (process 0 only), cut back on resume
 
 
-@pytest.mark.slow
 def test_failed_peer_ends_the_other_with_its_reason(tmp_path):
     """Process 1 fails to start (its data path does not exist); it says why and exits at once, and process
     0, waiting for it, exits with process 1's reason instead of waiting out a timeout."""
