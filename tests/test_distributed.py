@@ -208,3 +208,18 @@ def test_failed_peer_ends_the_other_with_its_reason(tmp_path):
     assert status0 == EXIT_PEER_LOST, err0[-3000:]
     assert err0.strip().splitlines()[-1] == ("composer-jax pretrain: error: process 1 of 2 failed: DataError: data "
                                              "path /no/such/dir does not exist"), err0[-3000:]
+
+
+def test_coordinator_death_ends_the_others_at_once(tmp_path):
+    """Process 0 (the coordination service) dies: JAX itself ends the others at once (its own fatal
+    message and stack trace: its client offers Python no usable hook, README), long before any peer
+    timeout, instead of leaving them hanging in the collective."""
+    peer_timeout = 300   # neither the watchdog nor JAX's heartbeat (+30 s) can be what ends process 1
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "tests.collective_loop", str(i), str(port), str(peer_timeout),
+                               "0"])
+    started = time.monotonic()
+    (status0, _), (status1, err1) = _finish(procs, LAUNCH_TIMEOUT_S)
+    assert status0 == 9
+    assert status1 != 0 and "This most likely indicates that another task died" in err1, err1[-3000:]
+    assert time.monotonic() - started < peer_timeout - 100, "not at once"   # start-up included
