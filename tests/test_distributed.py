@@ -223,3 +223,13 @@ def test_coordinator_death_ends_the_others_at_once(tmp_path):
     assert status0 == 9
     assert status1 != 0 and "This most likely indicates that another task died" in err1, err1[-3000:]
     assert time.monotonic() - started < peer_timeout - 100, "not at once"   # start-up included
+
+
+def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
+    """Process 1 starts, process 0 never does: after --init-timeout, one line and status 75 (JAX would
+    abort later with a stack trace)."""
+    argv = _pretrain_argv(tmp_path, _free_port(), 60)(1) + ["--init-timeout", "5"]
+    (status, err), = _finish(_launch(lambda i: argv, n=1), LAUNCH_TIMEOUT_S)
+    assert status == EXIT_PEER_LOST, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("composer-jax pretrain: error: process 1 of 2 waited 5 s "
+                                                   "(--init-timeout) for the group at localhost:"), err[-3000:]

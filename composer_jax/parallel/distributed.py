@@ -134,6 +134,14 @@ def _client():
     return distributed.global_state.client
 
 
+def _exit_with(label: str, message: str) -> None:
+    """End this process now with one line (from any thread; a main thread blocked in a collective or in
+    JAX's start-up never returns to Python)."""
+    print(f"{label}: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_PEER_LOST)
+
+
 class PeerWatchdog:
     """Beats every `interval_s` through the coordination service; exits this process with one line on
     stderr when a peer has not beaten for `timeout_s`, or has marked itself failed (module docstring)."""
@@ -150,9 +158,7 @@ class PeerWatchdog:
         return self
 
     def _exit(self, message: str) -> None:
-        print(f"{self.label}: error: {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(EXIT_PEER_LOST)
+        _exit_with(self.label, message)
 
     def _run(self) -> None:
         me, n = self.group.process_id, self.group.num_processes
@@ -236,16 +242,24 @@ def initialize(group: ProcessGroup, *, peer_timeout_s: float = 120.0, init_timeo
     peer watchdog. Call before JAX starts its backend (the first `jax.devices()` or computation)."""
     if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX aborts (C++ stack trace) when the group does not form in time: say it in one line first.
+    late = threading.Timer(init_timeout_s, _exit_with, (label, (
+        f"process {group.process_id} of {group.num_processes} waited {init_timeout_s:g} s (--init-timeout) for the "
+        f"group at {group.coordinator} (from {group.source}) to form: not every process started, or process 0 is "
+        "unreachable from this host")))
+    late.daemon = True
+    late.start()
     try:
         jax.distributed.initialize(coordinator_address=group.coordinator, num_processes=group.num_processes,
                                    process_id=group.process_id, cluster_detection_method="deactivate",
-                                   initialization_timeout=int(init_timeout_s),
+                                   initialization_timeout=int(init_timeout_s + BACKSTOP_MARGIN_S),
                                    heartbeat_timeout_seconds=int(peer_timeout_s + BACKSTOP_MARGIN_S))
     except Exception as e:  # noqa: BLE001 - XLA reports a failed join as a multi-line runtime error
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(f"process {group.process_id} of {group.num_processes} could not join the group at "
-                               f"{group.coordinator} (from {group.source}) within --init-timeout "
-                               f"{init_timeout_s} s: {first}") from None
+                               f"{group.coordinator} (from {group.source}): {first}") from None
+    finally:
+        late.cancel()
     return PeerWatchdog(group, peer_timeout_s, label).start()
 
 
