@@ -18,9 +18,12 @@ stops beating for `peer_timeout_s` (or says it failed), prints one line naming t
 EXIT_PEER_LOST: a process blocked in a collective never returns to Python, so only an exit ends it.
 JAX's heartbeat timeout is set a margin later, as a backstop. A collective whose peer is gone may also
 fail at once (gloo: connection reset); `await_peers` then pings the peers (the watchdogs answer
-through the store) and lets the watchdog name the one that does not answer. A process
-that finishes marks itself done (peers stop watching it); one that fails marks itself failed with its
-one-line reason.
+through the store) and lets the watchdog name the one that does not answer. A process that finishes
+marks itself done (peers stop watching it); one that fails marks itself failed with its one-line
+reason. A group that does not form within `init_timeout_s` ends the same way (one line, before JAX's
+own abort). Process 0's death takes the coordination service with it: JAX then aborts the others at
+once, with its own message (its client's callback for that is not usable from Python: jaxlib 0.10.2
+cannot convert the status it passes).
 
 On CPU, cross-process collectives need an implementation: gloo is switched on unless the user chose
 (JAX_CPU_COLLECTIVES_IMPLEMENTATION).
@@ -157,9 +160,6 @@ class PeerWatchdog:
         self._thread.start()
         return self
 
-    def _exit(self, message: str) -> None:
-        _exit_with(self.label, message)
-
     def _run(self) -> None:
         me, n = self.group.process_id, self.group.num_processes
         client, beat = _client(), 0
@@ -181,22 +181,24 @@ class PeerWatchdog:
                 if self._stop.is_set():
                     return
                 if now - coordinator_ok > self.timeout_s:
-                    self._exit(f"process {me} of {n} lost the coordinator (process 0 at {self.group.coordinator}) "
-                               f"for {now - coordinator_ok:.0f} s (peer timeout {self.timeout_s:g} s): "
-                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                    _exit_with(self.label, f"process {me} of {n} lost the coordinator (process 0 at "
+                                           f"{self.group.coordinator}) for {now - coordinator_ok:.0f} s (peer timeout "
+                                           f"{self.timeout_s:g} s): "
+                                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
                 continue
             coordinator_ok, self._done = now, done
             if failed:
                 key, reason = failed[0]
-                self._exit(f"process {key.rsplit('/', 1)[-1]} of {n} failed: {reason}")
+                _exit_with(self.label, f"process {key.rsplit('/', 1)[-1]} of {n} failed: {reason}")
             for peer, (value, since) in last_seen.items():
                 current = beats.get(str(peer))
                 if current != value or str(peer) in done:
                     last_seen[peer] = (current, now)
                 elif now - since > self.timeout_s:
                     what = "never joined the watch" if value is None else "stopped responding"
-                    self._exit(f"process {peer} of {n} {what} (no heartbeat for {now - since:.0f} s, peer timeout "
-                               f"{self.timeout_s:g} s): it died or hangs; stopping process {me} too")
+                    _exit_with(self.label, f"process {peer} of {n} {what} (no heartbeat for {now - since:.0f} s, "
+                                           f"peer timeout {self.timeout_s:g} s): it died or hangs; stopping process "
+                                           f"{me} too")
 
     def await_peers(self) -> None:
         """Return once every peer has answered a ping sent now (or has finished); a peer that has died
