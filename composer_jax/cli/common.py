@@ -7,7 +7,12 @@ import logging
 import math
 import sys
 
+from composer_jax.checkpoint.safetensors_io import CheckpointError
+from composer_jax.config import ConfigError
+from composer_jax.data.errors import DataError
+
 EXIT_USAGE = 2
+USAGE_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, DataError)  # one line on stderr, exit EXIT_USAGE
 
 
 def human(n: float, units=("", "K", "M", "B", "T")) -> str:
