@@ -21,7 +21,7 @@ import json  # noqa: E402
 
 import jax  # noqa: E402
 
-from composer_jax.bench.muon import compare  # noqa: E402
+from composer_jax.bench.muon import compare, kimi_tree, print_planned_shares  # noqa: E402
 
 
 def main(argv=None):
@@ -32,9 +32,14 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the planned NS shares (this tree on 8 devices, Kimi K2.5 on 64 and 256) and exit")
     args = parser.parse_args(argv)
     if len(jax.devices()) != 8:
         raise SystemExit(f"needs 8 devices, found {len(jax.devices())}")
+    if args.plan_only:
+        print_planned_shares(kimi_tree(experts=args.experts, moe_layers=args.moe_layers), args.ns_steps, args.chunks)
+        return
     out = compare(args.experts, args.moe_layers, args.ns_steps, args.chunks, args.repeats)
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("times")}, indent=2))
     if args.json:

@@ -30,6 +30,7 @@ from optax.contrib import MuonDimensionNumbers as MDN
 
 from composer_jax.bench.timing import interleaved
 from composer_jax.optim import muon
+from composer_jax.optim.exchange_plan import describe_leaf, ns_flops_per_device, plan_groups
 from composer_jax.optim.layout import matrix_view
 from composer_jax.optim.newton_schulz import ns_flops
 
@@ -127,6 +128,38 @@ def padded_ns_total(tree, steps, devices):
     return sum(-(-count // devices) * devices * ns_flops(m, n, steps) for (m, n), count in groups.items())
 
 
+def planned_ns_flops(tree, steps, chunks) -> int:
+    """NS FLOPs per device that composer_jax's exchange plan assigns for `tree` on these meshes
+    (`exchange_plan.ns_flops_per_device`: split layers included; no compile)."""
+    grids = meshes(AxisType.Explicit)
+    leaves = []
+    for shape, axes, dims, grid in tree.values():
+        if dims is not None:
+            mesh = grids[grid]
+            spec = spec_for(shape, axes, EXPERT_RULES if grid == "expert" else DENSE_RULES, mesh)
+            view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
+            leaves.append(describe_leaf(len(leaves), shape, jnp.float32, view, mesh, spec))
+    return ns_flops_per_device(plan_groups(leaves, chunks, tuple(grids.values()), split=True), steps)
+
+
+def print_planned_shares(tree, steps, chunks) -> None:
+    """The planned per-device NS share (x total / devices) of `tree` here and of Kimi K2.5's Muon
+    matrices on 64 and 256 devices (composer_jax.plan.muon.ns_share)."""
+    from composer_jax.config import MeshConfig, load_config
+    from composer_jax.parallel.mesh import resolve_sizes
+    from composer_jax.plan.muon import ns_share
+
+    total, devices = ns_total(tree, steps), len(jax.devices())
+    planned = planned_ns_flops(tree, steps, chunks)
+    print(f"bench tree on {devices} devices: planned NS FLOPs per device {planned:.4g}, "
+          f"{planned / (total / devices):.4f}x total / {devices}")
+    kimi = load_config("kimi-k2.5")
+    for count, mesh in ((64, MeshConfig(fsdp=64, ep=64)), (256, MeshConfig(fsdp=256, ereplica=2, ep=128))):
+        share = ns_share(kimi, resolve_sizes(mesh, count), steps=steps, chunks=chunks)
+        print(f"kimi-k2.5 on {count} devices ({mesh.fsdp}-way FSDP, ep={mesh.ep}): {share.matrices:,} matrices, "
+              f"planned NS FLOPs per device {share.per_device:.4g}, {share.ratio:.4f}x total / {count}")
+
+
 def build(tx_fn, params, steps):
     """(jitted update, compiled, state, grads) for a transformation with `steps` NS steps."""
     tx = tx_fn(steps)
@@ -196,6 +229,7 @@ def compare(experts: int = 32, moe_layers: int = 2, ns_steps: int = 5, chunks: i
         "ns_flops_total_padded": padded_ns_total(tree, ns_steps, devices),
         "ns_flops_per_device_ideal": total / devices,
         "ns_flops_per_device_ours": results["ours"]["ns_flops"],
+        "ns_flops_per_device_planned": planned_ns_flops(tree, ns_steps, chunks),
         "ns_flops_per_device_optax": results["optax"]["ns_flops"],
         "ns_share_ours": results["ours"]["ns_flops"] / (total / devices),
         "ns_share_optax": results["optax"]["ns_flops"] / (total / devices),
