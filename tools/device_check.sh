@@ -2,9 +2,10 @@
 # Everything GPU-specific on one H200, in one run under 8 minutes, a table last:
 #   1. the GPU-marked tests (cuDNN attention equal to blockwise and the reference in outputs, max logits
 #      and gradients; ep_ragged equal to dense);
-#   2. `composer-jax bench --preset gpu`: every benchmark on the proxy MoE (configs/model/proxy-moe.yaml,
+#   2. the memory planner against the compiled step of 16 H200s under jax_mock_gpu_topology
+#      (tools/plan_check.py: one GPU compiles, never runs, the program of two mocked hosts of 8);
+#   3. `composer-jax bench --preset gpu`: every benchmark on the proxy MoE (configs/model/proxy-moe.yaml,
 #      batch sized to fill the GPU) side by side against its references;
-#   3. the memory planner's cross-check under jax_mock_gpu_topology, when the planner is on this branch;
 #   4. MaxText's DeepSeek model on the same config, where MaxText is installed.
 # Uses the machine's own jax/flax/optax/pytest (nothing is installed; no network): the repository goes
 # on PYTHONPATH.
@@ -18,8 +19,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case ${DEVICE_CHECK_PLATFORM:-cuda} in
-  cuda | gpu) platform=cuda bench_args=(--preset gpu) ;;
-  cpu) platform=cpu bench_args=(--preset cpu --quick) ;;
+  cuda | gpu)
+    platform=cuda bench_args=(--preset gpu)
+    # 16 H200s (2 mocked hosts of 8) compiled on this one: the planner's estimate at scale
+    plan_args=(--mock-gpu-topology 1x2x8 proxy-moe train.seq_len=4096 train.batch_size=16) ;;
+  cpu)
+    platform=cpu bench_args=(--preset cpu --quick)
+    plan_args=(--cpu-devices 8 pretrain-tiny model.mtp.num_layers=0 model.num_layers=3 train.batch_size=16
+               model.rope.factor=32 model.rope.max_position_embeddings=512 train.seq_len=256) ;;
   *) echo "device_check: DEVICE_CHECK_PLATFORM=$DEVICE_CHECK_PLATFORM: expected cuda or cpu" >&2; exit 2 ;;
 esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 JAX_PLATFORMS=$platform
@@ -54,13 +61,13 @@ jax.devices()[0].device_kind)"
 mapfile -t gpu_test_files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 check gpu-tests 100 "$python" -m pytest -q -rs -m gpu -p no:cacheprovider "${gpu_test_files[@]}"
 
-check bench "${DEVICE_CHECK_BENCH_S:-330}" "$python" -m composer_jax.cli bench --json "$logs/bench.json" "${bench_args[@]}"
-
-if "$python" -c "import composer_jax.plan" 2>/dev/null; then
-  row planner skip 0 "composer_jax/plan is here but no mock-topology cross-check is wired into this script yet"
+if [[ -f composer_jax/plan/__init__.py ]]; then
+  check planner 90 "$python" tools/plan_check.py "${plan_args[@]}"
 else
-  row planner skip 0 "memory planner not on this branch (composer_jax/plan, issue 17 items 2-4)"
+  row planner skip 0 "memory planner not in this checkout (composer_jax/plan)"
 fi
+
+check bench "${DEVICE_CHECK_BENCH_S:-330}" "$python" -m composer_jax.cli bench --json "$logs/bench.json" "${bench_args[@]}"
 
 if maxtext=$("$python" -c "import MaxText, importlib.metadata as m; print(m.version('maxtext'))" 2>/dev/null); then
   row maxtext skip 0 "MaxText $maxtext installed; a side-by-side run on proxy-moe is not wired in"
