@@ -155,18 +155,20 @@ def test_fitting_batch_fits_the_budget():
     from composer_jax.bench.train_step import fitting_batch, one_device, run_config
     from composer_jax.train.step import lower_train_step
 
-    def peak(batch):
-        mem = lower_train_step(run_config(model, batch, 64), one_device()).compile().memory_analysis()
+    def memory(batch):
+        return lower_train_step(run_config(model, batch, 64), one_device()).compile().memory_analysis()
+
+    def peak(mem):
         return mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
 
-    model = load_config("tiny")
-    one = peak(1)
-    budget = 4 * one
-    batch = fitting_batch(model, 64, budget)
-    assert batch > 1 and peak(batch) <= budget
-    assert fitting_batch(model, 64, 2 * budget) > batch
+    model = load_config("tiny", ["num_layers=2"])
+    at_one = memory(1)                 # compiled once, shared by every call below
+    budget = 4 * peak(at_one)
+    batch = fitting_batch(model, 64, budget, memory=at_one)
+    assert batch > 1 and peak(memory(batch)) <= budget
+    assert fitting_batch(model, 64, 2 * budget, memory=at_one) > batch
     with pytest.raises(ValueError, match="one row of 64 tokens needs"):
-        fitting_batch(model, 64, one / 2)
+        fitting_batch(model, 64, peak(at_one) / 2, memory=at_one)
 
 
 def test_non_finite_results_are_named():

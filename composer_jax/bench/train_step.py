@@ -54,11 +54,11 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
-def fitting_batch(model: ModelConfig, seq_len: int, budget_bytes: float, most: int = 64) -> int:
+def fitting_batch(model: ModelConfig, seq_len: int, budget_bytes: float, most: int = 64, memory=None) -> int:
     """The largest batch (rows of `seq_len`) whose one-device training step fits in `budget_bytes`, from
-    the compiled step at batch 1: the state once, the temporaries per row (a slight overestimate: some
-    temporaries do not grow with the batch)."""
-    mem = step_lib.lower_train_step(run_config(model, 1, seq_len), one_device()).compile().memory_analysis()
+    the compiled step at batch 1 (`memory`: its `memory_analysis()`, compiled here when None): the state
+    once, the temporaries per row (a slight overestimate: some temporaries do not grow with the batch)."""
+    mem = memory or step_lib.lower_train_step(run_config(model, 1, seq_len), one_device()).compile().memory_analysis()
     state = mem.argument_size_in_bytes
     per_row = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
     if state + per_row > budget_bytes:
