@@ -103,7 +103,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     dispatch: Literal["dense", "ragged", "ep_a2a", "ep_ragged"] = "ragged"
-    capacity_factor: float = 0.0  # ep_a2a buffer per device pair, x the even share; 0 = dropless
+    # ep_a2a / ep_ragged exchange buffers per device, as a multiple of its expected expert assignments
+    # (local tokens x k); copies beyond them are dropped and counted. 0 = dropless (worst-case buffers:
+    # ep x tokens x min(k, experts per device) rows, 48x the assignments at Kimi K2.5 scale)
+    capacity_factor: float = 2.0
     bias_update_rate: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3's gamma)
 
     def __post_init__(self):

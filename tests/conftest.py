@@ -15,7 +15,7 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-REFERENCE_PACKAGES = ("torch", "transformers")
+REFERENCE_PACKAGES = ("torch", "transformers", "ray")
 
 
 def pytest_configure(config):

@@ -216,6 +216,22 @@ def test_inject_hyperparams_and_chain():
     assert float(states[1][1].hyperparams["learning_rate"]) == pytest.approx(float(schedule(1)))
 
 
+def _compiled_ns_flops(leaves: dict, meshes: dict):
+    """(params placed as `leaves` {name: (shape, dims, mesh, spec)} say, steps -> the compiled Muon
+    update's FLOPs per device with `steps` NS steps)."""
+    params = {k: jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+              for k, (shape, _, mesh, spec) in leaves.items()}
+    dims = {k: d for k, (_, d, _, _) in leaves.items()}
+
+    def flops(steps):
+        tx = muon(0.1, ns_steps=steps, ns_dtype="float32", muon_weight_dimension_numbers=dims,
+                  meshes=tuple(meshes.values()))
+        compiled = jax.jit(tx.update).lower(params, tx.init(params), params).compile()
+        return compiled.cost_analysis()["flops"]
+
+    return params, flops
+
+
 def test_ns_flops_per_device_on_sharded_layout():
     """Compiled per-device NS FLOPs are total / 8 (no padding in this tree): F(6 steps) - F(1 step).
     (XLA's count includes the elementwise terms, ~2% at this size, and cheap ops it duplicates.)"""
@@ -224,20 +240,30 @@ def test_ns_flops_per_device_on_sharded_layout():
               "down": ((4, 16, 64, 128), MDN(2, 3), meshes["expert"], P(None, "ep", None, "fsdp")),
               "heads": ((2, 128, 8, 64), MDN(1, 3), meshes["dense"], P(None, "fsdp", None, None)),
               "dense": ((8, 128, 64), MDN(1, 2), meshes["dense"], P(None, "fsdp", None))}
-    params = {k: jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
-              for k, (shape, _, mesh, spec) in leaves.items()}
-    dims = {k: d for k, (_, d, _, _) in leaves.items()}
-
-    def flops(steps):
-        tx = muon(0.1, ns_steps=steps, ns_dtype="float32", muon_weight_dimension_numbers=dims,
-                  meshes=tuple(meshes.values()))
-        state = tx.init(params)
-        compiled = jax.jit(tx.update).lower(params, state, params).compile()
-        return compiled.cost_analysis()["flops"]
-
+    _, flops = _compiled_ns_flops(leaves, meshes)
     matrices = 64 + 64 + 16 + 8                       # all (64, 128) after transposing
     total = matrices * ns_flops(64, 128, 5)
     assert flops(6) - flops(1) == pytest.approx(total / 8, rel=0.1)
+
+
+def test_split_remainders_keep_ns_flops_per_device_near_total_over_devices():
+    """Three 128 x 256 matrices and 35 64 x 128 ones on 8 devices: whole-matrix layers would cost each
+    device one 128 x 256 NS plus five 64 x 128 ones (1.76x the even share); the plan splits the
+    remainders into column blocks. Compiled F(6 steps) - F(1 step) equals the plan's count
+    (`exchange_plan.ns_flops_per_device`), within 1.1x of total / 8."""
+    from composer_jax.optim.exchange_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
+
+    meshes = _meshes()
+    leaves = {"mlp": ((3, 128, 256), MDN((1,), (2,)), meshes["dense"], P(None, "fsdp", None)),
+              "heads": ((128, 35, 64), MDN((0,), (2,)), meshes["dense"], P("fsdp", None, None))}
+    params, flops = _compiled_ns_flops(leaves, meshes)
+    views = [matrix_view(shape, d.reduction_axis, d.output_axis) for shape, d, _, _ in leaves.values()]
+    plan = plan_groups([leaf_info(i, params[k], v) for i, (k, v) in enumerate(zip(leaves, views))], 4,
+                       tuple(meshes.values()), split=True)
+    planned = ns_flops_per_device(plan, 5)
+    total = 3 * ns_flops(128, 256, 5) + 35 * ns_flops(64, 128, 5)
+    assert planned <= 1.1 * total / 8
+    assert flops(6) - flops(1) == pytest.approx(planned, rel=0.05)
 
 
 def test_errors_name_the_parameter():

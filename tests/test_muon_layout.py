@@ -141,3 +141,38 @@ def test_batch_sharded_leaves_need_no_communication():
     outs, xs, _, hlo, _ = _run(cases, chunks=2)
     _check(cases, outs, xs)
     assert not _collectives(hlo)
+
+
+def test_layers_of_a_few_matrices_run_split_and_equal_whole_newton_schulz():
+    """Layers holding fewer real matrices than devices are cut into column blocks over every device
+    (the plan says where), and the result equals Newton-Schulz on each whole matrix: on one mesh and on
+    a two-axis mesh, with a width that the devices do not divide (zero-padded) and a group with one
+    full layer plus a split remainder."""
+    from composer_jax.optim import newton_schulz as ns_lib
+    from composer_jax.optim.exchange_plan import leaf_info, plan_groups
+    from composer_jax.optim.layout import SplitNS
+
+    dense = _mesh((8,), ("fsdp",))
+    expert = _mesh((4, 2), ("ep", "fsdp"))
+    cases = [
+        ((3, 16, 40), dense, P(None, "fsdp", None), (1,), (2,)),          # 3 matrices on 8 devices
+        ((11, 8, 24), dense, P(None, None, "fsdp"), (1,), (2,)),          # one full layer + 3
+        ((2, 12, 21), expert, P(None, "ep", None), (1,), (2,)),           # two-axis mesh, width 21
+    ]
+    rng = np.random.default_rng(3)
+    xs, views = [], []
+    for shape, mesh, spec, red, out in cases:
+        xs.append(jax.device_put(jnp.asarray(rng.standard_normal(shape), jnp.float32), NamedSharding(mesh, spec)))
+        views.append(matrix_view(shape, red, out))
+    schedule = ns_lib.coefficient_schedule("standard", 5)
+    whole = lambda x: ns_lib.newton_schulz(x, schedule)  # noqa: E731
+    split = SplitNS(ns_lib.normalize, lambda x, reduce: ns_lib.split_steps(x, schedule, reduce))
+    groups = plan_groups([leaf_info(i, x, v) for i, (x, v) in enumerate(zip(xs, views))], 1, (dense, expert), split=True)
+    assert sorted(len(layer.real) for g in groups for layer in g.split) == [2, 3, 3]
+    fn = jax.jit(lambda xs: orthogonalize(xs, views, whole, 1, (dense, expert), split))
+    outs = fn(xs)
+    assert "all-reduce" in _collectives(fn.lower(xs).compile().as_text())   # the Gram sums
+    for x, y in zip(xs, outs):
+        expected = np.asarray(whole(jnp.asarray(np.asarray(x))))             # every matrix whole, one device
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-4, atol=2e-5)
+        assert jax.typeof(y).sharding.spec == jax.typeof(x).sharding.spec

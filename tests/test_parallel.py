@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax import CausalLM, load_config
 from composer_jax.config import ConfigError, MeshConfig
-from composer_jax.model import dispatch
+from composer_jax.model import dispatch, expert_parallel
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.parallel import DualMesh, param_shardings, state_shardings
 from composer_jax.parallel.leafwise import per_mesh
@@ -231,11 +231,67 @@ def test_ep_ragged_exchange_logic_with_emulated_collective(monkeypatch):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
+def _ragged_kept(idx, devices, ep, num_local, rows):
+    """Independent numpy model of ep_ragged's drop policy: which copies arrive. Each destination takes
+    `rows` copies; past that every source's block to it is cut by the same fraction (rounded down),
+    keeping each block's earliest copies in token order. Devices are the flat token shards; device i
+    is ep rank i % ep of its ep group."""
+    tokens, k = idx.shape
+    per = tokens // devices
+    kept = np.ones(idx.shape, bool)
+    for group in range(devices // ep):
+        members = [group * ep + r for r in range(ep)]
+        dest = {m: idx[m * per:(m + 1) * per] // num_local for m in members}
+        sizes = np.array([[np.sum(dest[m] == r) for r in range(ep)] for m in members])   # [src, dst]
+        for r in range(ep):
+            total = sizes[:, r].sum()
+            quota = sizes[:, r] if total <= rows else np.floor(sizes[:, r] * rows / total).astype(int)
+            for src, m in enumerate(members):
+                seen = 0
+                for t in range(per):
+                    for j in range(k):
+                        if dest[m][t, j] == r:
+                            kept[m * per + t, j] = seen < quota[src]
+                            seen += 1
+    return kept
+
+
+def test_ep_ragged_drops_past_its_receive_buffer(monkeypatch):
+    """With capacity factor 1 a skewed routing overflows the receive buffer of the rank holding expert 3:
+    exactly the copies the independent model of the drop policy drops are missing from the output, and
+    they are counted."""
+    from composer_jax.model import expert_parallel
+
+    monkeypatch.setattr(expert_parallel.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    case = _dispatch_case(seed=3)
+    x, weights, idx, w = case
+    for mesh_cfg, ep in ((MeshConfig(fsdp=8, ep=8), 8), (MeshConfig(replica=2, fsdp=4, ereplica=2, ep=4), 4)):
+        rows = expert_parallel.receive_rows(64 // 8, 4, 16 // ep, ep, 1.0)
+        assert rows == 8 * 4   # the expected assignments per device
+        kept = _ragged_kept(idx, 8, ep, 16 // ep, rows)
+        y, _, dropped = _run_sharded("ep_ragged", 1.0, mesh_cfg, case)
+        assert dropped == int((~kept).sum()) > 0
+        np.testing.assert_allclose(y, np.asarray(dispatch.dense(x, weights * kept, idx, w)), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_buffers_are_bounded_at_kimi_scale():
+    """ep=64, k=8, 4096 local tokens, 384 experts: with the default capacity factor the exchange buffers
+    hold at most ~2x the 32768 assignments of a device; dropless ep_a2a needs 48x."""
+    from composer_jax.config import MoEConfig
+
+    factor = MoEConfig(n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048).capacity_factor
+    assignments = 4096 * 8
+    for kind in ("ep_a2a", "ep_ragged"):
+        rows = expert_parallel.dispatch_rows(kind, 4096, 8, 384 // 64, 64, factor)
+        assert max(rows.values()) <= 2 * assignments, (kind, rows)
+    assert expert_parallel.dispatch_rows("ep_a2a", 4096, 8, 6, 64, 0.0)["send"] == 48 * assignments
+
+
 def test_model_traces_are_keyed_on_the_layout():
     """The same parameters under two DualMeshes with one dense mesh and different expert layouts: one
     `nnx.jit` traces once per layout (the layout is static model data, not a context read at trace
     time, which jit would not see), and both equal the unsharded model."""
-    cfg = load_config("tiny", ["moe.dispatch=ep_a2a", "mtp.num_layers=0"])
+    cfg = load_config("tiny", ["moe.dispatch=ep_a2a", "moe.capacity_factor=0", "mtp.num_layers=0"])
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 16)).astype(np.int32)
     expected = np.asarray(CausalLM(load_config("tiny", ["mtp.num_layers=0"]), rngs=nnx.Rngs(0))(tokens))
     traces = []

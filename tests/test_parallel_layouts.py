@@ -49,7 +49,7 @@ def reference():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sharded_step_equals_single_device(reference, layout):
     replica, fsdp, cp, ereplica, ep = LAYOUTS[layout]
-    cfg = load_config("tiny", ["moe.dispatch=ep_a2a"])
+    cfg = load_config("tiny", ["moe.dispatch=ep_a2a", "moe.capacity_factor=0"])
     dual = DualMesh(MeshConfig(replica=replica, fsdp=fsdp, cp=cp, ereplica=ereplica, ep=ep), model=cfg)
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     with dual:

@@ -58,7 +58,7 @@ def test_sharded_rl_step_equals_single_device():
     (Adam's first update itself, g / (|g| + eps), is sign(g) where |g| >> eps: float32 summation-order
     noise in near-zero gradient entries flips it whatever the sharding, so the updated parameters agree
     only to ~lr and are not compared.)"""
-    cfg = load_config("tiny", ["moe.dispatch=ep_a2a"])
+    cfg = load_config("tiny", ["moe.dispatch=ep_a2a", "moe.capacity_factor=0"])
     dual = DualMesh(MeshConfig(replica=2, fsdp=4, cp=1, ereplica=2, ep=4), model=cfg)
     model = CausalLM(cfg, rngs=nnx.Rngs(0))
     with dual:

@@ -204,6 +204,7 @@ def test_step_on_policy_adam(model):
     assert metrics["is_clip_frac"] == 0 and metrics["behaviour_kl_k3"] <= 1e-6
     expected = {"loss", "loss_pg", "loss_sd", "kl_k1", "kl_k3", "entropy", "grad_norm", "tokens", "sd_tokens"}
     assert expected <= set(metrics)
+    assert metrics["moe_dropped_fraction"] == 0   # the local ragged dispatch never drops
     assert all(np.isfinite(v) for v in metrics.values())
     assert int(new_state.step) == 1
     moved = [np.abs(np.asarray(a) - b).max() for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(before),

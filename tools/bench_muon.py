@@ -1,16 +1,5 @@
-"""Benchmark: composer_jax's sharded Muon against optax.contrib.muon on 8 fake CPU devices.
-
-The tree is Kimi-shaped but scaled down: stacked layers (dense first, then MoE), per-head MLA
-projections, routed experts stacked per layer, shared experts, router, embedding, head and norms.
-Expert weights live on the expert mesh ('ep', 'fsdp'), everything else on the dense mesh ('fsdp',);
-both meshes enumerate jax.devices() in one order. Ours runs on Explicit axes. optax's Muon fails on
-Explicit axes once a matrix dimension is sharded, so it runs on Auto-axes copies of the same meshes
-with the same PartitionSpecs. Both use the same dimension numbers, float32 NS, Jordan's coefficients,
-Nesterov and no weight decay.
-
-Timing: median of interleaved runs (ours, optax, ours, ...). NS FLOPs per device come from the
-compiled programs' cost analysis: F(ns_steps + 1) - F(1) (XLA counts a loop body once, so both
-implementations unroll their NS loop); `ns_flops_total` is the dense-GEMM count summed over matrices.
+"""Benchmark: composer_jax's sharded Muon against optax.contrib.muon on 8 fake CPU devices
+(the measuring code and what it measures: composer_jax/bench/muon.py).
 
     python tools/bench_muon.py --json /tmp/muon.json
 """
@@ -18,7 +7,10 @@ implementations unroll their NS loop); `ns_flops_total` is the dense-GEMM count 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
 
@@ -26,136 +18,10 @@ use_cpu_devices(8)  # before jax starts its backend
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from optax.contrib import MuonDimensionNumbers as MDN  # noqa: E402
 
-from composer_jax.optim import muon  # noqa: E402
-from composer_jax.optim.layout import matrix_view  # noqa: E402
-from composer_jax.optim.newton_schulz import ns_flops  # noqa: E402
-
-# Logical axis -> mesh axis, one table per grid; the first matching dimension of a leaf takes the axis.
-DENSE_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}
-EXPERT_RULES = {"experts": "ep", "embed": "fsdp"}
-
-
-def kimi_tree(d=512, heads=8, q_lora=192, kv_lora=128, nope=64, rope=32, v=64, mlp=1024, moe_mlp=256,
-              experts=32, dense_layers=1, moe_layers=2, vocab=4096):
-    """{name: (shape, logical axes, MuonDimensionNumbers | None, grid)}: a scaled-down Kimi K2 tree."""
-    tree = {"embed": ((vocab, d), ("vocab", "embed"), None, "dense"),
-            "lm_head": ((d, vocab), ("embed", "vocab"), None, "dense"),
-            "final_norm": ((d,), ("embed",), None, "dense")}
-    for kind, layers in (("dense", dense_layers), ("moe", moe_layers)):
-        def add(name, shape, axes, red=None, out=None, grid="dense"):
-            dims = MDN(tuple(axes.index(a) + 1 for a in red), tuple(axes.index(a) + 1 for a in out)) if red else None
-            tree[f"{kind}/{name}"] = ((layers,) + shape, ("layers",) + axes, dims, grid)
-
-        add("input_norm", (d,), ("embed",))
-        add("post_attn_norm", (d,), ("embed",))
-        add("q_a_proj", (d, q_lora), ("embed", "q_lora"), ("embed",), ("q_lora",))
-        add("q_a_norm", (q_lora,), ("q_lora",))
-        add("q_b_proj", (q_lora, heads, nope + rope), ("q_lora", "heads", "qk_head"), ("q_lora",), ("qk_head",))
-        add("kv_a_proj", (d, kv_lora + rope), ("embed", "kv_lora_rope"), ("embed",), ("kv_lora_rope",))
-        add("kv_a_norm", (kv_lora,), ("kv_lora",))
-        add("kv_b_proj", (kv_lora, heads, nope + v), ("kv_lora", "heads", "kv_head"), ("kv_lora",), ("kv_head",))
-        add("o_proj", (heads, v, d), ("heads", "v_head", "embed"), ("v_head",), ("embed",))
-        if kind == "dense":
-            for name in ("gate", "up"):
-                add(f"mlp/{name}", (d, mlp), ("embed", "mlp"), ("embed",), ("mlp",))
-            add("mlp/down", (mlp, d), ("mlp", "embed"), ("mlp",), ("embed",))
-            continue
-        add("router", (d, experts), ("embed", "experts"), ("embed",), ("experts",))
-        for name in ("gate", "up"):
-            add(f"shared/{name}", (d, moe_mlp), ("embed", "moe_mlp"), ("embed",), ("moe_mlp",))
-            add(f"experts/{name}", (experts, d, moe_mlp), ("experts", "embed", "moe_mlp"), ("embed",), ("moe_mlp",),
-                grid="expert")
-        add("shared/down", (moe_mlp, d), ("moe_mlp", "embed"), ("moe_mlp",), ("embed",))
-        add("experts/down", (experts, moe_mlp, d), ("experts", "moe_mlp", "embed"), ("moe_mlp",), ("embed",),
-            grid="expert")
-    return tree
-
-
-def spec_for(shape, axes, rules, mesh) -> P:
-    used, spec = set(), []
-    for size, name in zip(shape, axes):
-        axis = rules.get(name)
-        if axis is not None and axis not in used and size % mesh.shape[axis] == 0:
-            used.add(axis)
-            spec.append(axis)
-        else:
-            spec.append(None)
-    return P(*spec)
-
-
-def meshes(axis_type):
-    devices = np.array(jax.devices())
-    return {"dense": jax.sharding.Mesh(devices.reshape(8), ("fsdp",), axis_types=(axis_type,)),
-            "expert": jax.sharding.Mesh(devices.reshape(4, 2), ("ep", "fsdp"), axis_types=(axis_type,) * 2)}
-
-
-def place(tree, values, axis_type):
-    grids = meshes(axis_type)
-    out = {}
-    for name, (shape, axes, _, grid) in tree.items():
-        mesh = grids[grid]
-        rules = EXPERT_RULES if grid == "expert" else DENSE_RULES
-        out[name] = jax.device_put(values[name], NamedSharding(mesh, spec_for(shape, axes, rules, mesh)))
-    return out
-
-
-def ns_total(tree, steps):
-    total = 0
-    for shape, _, dims, _ in tree.values():
-        if dims is not None:
-            view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
-            count = math.prod(shape[a] for a in view.batch)
-            total += count * ns_flops(math.prod(shape[a] for a in view.rows), math.prod(shape[a] for a in view.cols),
-                                      steps)
-    return total
-
-
-def padded_ns_total(tree, steps, devices=8):
-    """NS FLOPs including zero padding when each same-shape group is padded to a multiple of `devices`."""
-    groups = {}
-    for shape, _, dims, _ in tree.values():
-        if dims is not None:
-            view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
-            key = (math.prod(shape[a] for a in view.rows), math.prod(shape[a] for a in view.cols))
-            groups[key] = groups.get(key, 0) + math.prod(shape[a] for a in view.batch)
-    return sum(-(-count // devices) * devices * ns_flops(m, n, steps) for (m, n), count in groups.items())
-
-
-def build(tx_fn, params, steps):
-    """(jitted update, compiled, state, grads) for a transformation with `steps` NS steps."""
-    tx = tx_fn(steps)
-    state = tx.init(params)
-    grads = jax.tree.map(lambda p: p * 0.5 + 0.1, params)
-    update = jax.jit(lambda g, s, p: tx.update(g, s, p)[0])
-    compiled = update.lower(grads, state, params).compile()
-    return compiled, state, grads
-
-
-def cost(compiled) -> dict:
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
-    mem = compiled.memory_analysis()
-    peak = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
-            - mem.alias_size_in_bytes)
-    return {"flops": float(analysis["flops"]), "peak_bytes": int(peak)}
-
-
-def collectives(compiled) -> dict:
-    text = compiled.as_text()
-    return {op: sum(f" {op}(" in line or f" {op}-start(" in line for line in text.splitlines())
-            for op in ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")}
+from composer_jax.bench.muon import compare, kimi_tree, print_planned_shares  # noqa: E402
 
 
 def main(argv=None):
@@ -166,70 +32,15 @@ def main(argv=None):
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the planned NS shares (this tree on 8 devices, Kimi K2.5 on 64 and 256) and exit")
     args = parser.parse_args(argv)
     if len(jax.devices()) != 8:
         raise SystemExit(f"needs 8 devices, found {len(jax.devices())}")
-
-    tree = kimi_tree(experts=args.experts, moe_layers=args.moe_layers)
-    rng = np.random.default_rng(0)
-    values = {k: (0.02 * rng.standard_normal(shape)).astype(np.float32) for k, (shape, *_) in tree.items()}
-    dims = {k: d for k, (_, _, d, _) in tree.items()}
-    common = dict(learning_rate=0.02, muon_weight_dimension_numbers=dims)
-
-    def ours(steps):
-        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=args.chunks,
-                    meshes=tuple(meshes(AxisType.Explicit).values()), **common)
-
-    def theirs(steps):
-        return optax.contrib.muon(ns_steps=steps, **common)
-
-    results = {}
-    for name, tx_fn, axis_type in (("ours", ours, AxisType.Explicit), ("optax", theirs, AxisType.Auto)):
-        params = place(tree, values, axis_type)
-        compiled, state, grads = build(tx_fn, params, args.ns_steps)
-        base, *_ = build(tx_fn, params, 1)
-        extra, *_ = build(tx_fn, params, args.ns_steps + 1)
-        results[name] = dict(compiled=compiled, args=(grads, state, params), cost=cost(compiled),
-                             ns_flops=cost(extra)["flops"] - cost(base)["flops"], collectives=collectives(compiled))
-        results[name]["updates"] = jax.device_get(compiled(*results[name]["args"]))  # also the warm-up
-    # Same numbers: the largest relative (Frobenius) difference of any leaf's update.
-    max_rel_error = max(float(np.linalg.norm(results["ours"]["updates"][k] - results["optax"]["updates"][k])
-                              / np.linalg.norm(results["optax"]["updates"][k])) for k in tree)
-
-    times = {"ours": [], "optax": []}
-    for _ in range(args.repeats):
-        for name in ("ours", "optax"):
-            start = time.perf_counter()
-            jax.block_until_ready(results[name]["compiled"](*results[name]["args"]))
-            times[name].append(time.perf_counter() - start)
-
-    total = ns_total(tree, args.ns_steps)
-    out = {
-        "ours_s": statistics.median(times["ours"]),
-        "optax_s": statistics.median(times["optax"]),
-        "speedup": statistics.median(times["optax"]) / statistics.median(times["ours"]),
-        "max_rel_error_vs_optax": max_rel_error,
-        "ns_flops_total": total,
-        "ns_flops_total_padded": padded_ns_total(tree, args.ns_steps),
-        "ns_flops_per_device_ideal": total / 8,
-        "ns_flops_per_device_ours": results["ours"]["ns_flops"],
-        "ns_flops_per_device_optax": results["optax"]["ns_flops"],
-        "ns_share_ours": results["ours"]["ns_flops"] / (total / 8),
-        "ns_share_optax": results["optax"]["ns_flops"] / (total / 8),
-        "peak_bytes_ours": results["ours"]["cost"]["peak_bytes"],
-        "peak_bytes_optax": results["optax"]["cost"]["peak_bytes"],
-        "step_flops_per_device_ours": results["ours"]["cost"]["flops"],
-        "step_flops_per_device_optax": results["optax"]["cost"]["flops"],
-        "collectives_ours": results["ours"]["collectives"],
-        "collectives_optax": results["optax"]["collectives"],
-        "times_ours_s": times["ours"],
-        "times_optax_s": times["optax"],
-        "config": {"devices": 8, "ns_steps": args.ns_steps, "chunks": args.chunks, "experts": args.experts,
-                   "moe_layers": args.moe_layers, "ns_dtype": "float32", "coefficients": "jordan",
-                   "matrices": sum(math.prod(s[a] for a in matrix_view(s, d.reduction_axis, d.output_axis).batch)
-                                   for s, _, d, _ in tree.values() if d is not None),
-                   "parameters": int(sum(math.prod(s) for s, *_ in tree.values()))},
-    }
+    if args.plan_only:
+        print_planned_shares(kimi_tree(experts=args.experts, moe_layers=args.moe_layers), args.ns_steps, args.chunks)
+        return
+    out = compare(args.experts, args.moe_layers, args.ns_steps, args.chunks, args.repeats)
     print(json.dumps({k: v for k, v in out.items() if not k.startswith("times")}, indent=2))
     if args.json:
         with open(args.json, "w") as f:

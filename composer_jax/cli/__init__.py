@@ -15,13 +15,12 @@ import signal
 import sys
 
 import composer_jax
-from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.cli.agents import _add_eval, _add_tasks
-from composer_jax.cli.common import EXIT_USAGE, human, human_flops
+from composer_jax.cli.bench import _add_bench
+from composer_jax.cli.common import EXIT_USAGE, USAGE_ERRORS, human, human_flops
 from composer_jax.cli.models import _add_convert, _add_export, _add_generate, _add_info
+from composer_jax.cli.plan import _add_plan
 from composer_jax.cli.training import _add_config, _add_plot, _add_pretrain, _add_rl, _add_sft
-from composer_jax.config import ConfigError
-from composer_jax.data.errors import DataError
 
 __all__ = ["build_parser", "human", "human_flops", "main"]
 
@@ -41,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tasks(sub)
     _add_generate(sub)
     _add_eval(sub)
+    _add_bench(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         args.overrides = list(args.overrides) + extra
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, DataError) as e:
+    except USAGE_ERRORS as e:
         print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles it): nothing to save

@@ -15,13 +15,13 @@ from composer_jax.cli.common import EXIT_USAGE, command_group, positive_int, sub
 def _run_tasks_check(args) -> int:
     import time
 
-    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable, make_sandbox
     from composer_jax.tasks import TaskError, check_tasks, load_task, summary_line
 
     start = time.monotonic()
     try:
         tasks = [load_task(d) for d in args.task_dirs]
-        results = check_tasks(tasks, Sandbox(args.backend), solution=args.solution, workers=args.workers)
+        results = check_tasks(tasks, make_sandbox(args.backend), solution=args.solution, workers=args.workers)
     except (TaskError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax tasks check: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -75,8 +75,9 @@ def _add_tasks(sub) -> None:
     c.add_argument("--solution", action="store_true", help="apply solution.patch to the copy first")
     c.add_argument("--json", default=None, metavar="OUT", help="write the JSON lines to OUT instead of stdout")
     c.add_argument("--workers", type=positive_int, default=1, help="tasks checked at once (default 1)")
-    c.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
-                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    c.add_argument("--backend", choices=("bwrap", "none", "ray"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine; 'ray' runs them in "
+                        "bwrap on the Ray cluster at RAY_ADDRESS (pip install 'composer-jax[ray]') (default bwrap)")
     f = subcommand(tasks_sub, "feature-deletion", _run_feature_deletion,
                    "make tasks from a repository by deleting tested features",
                    "Run REPO_DIR's pytest suite in the sandbox with tracing, delete one "
@@ -108,7 +109,7 @@ def _add_tasks(sub) -> None:
 
 def _run_eval(args) -> int:
     from composer_jax.eval import EvalConfig, EvalError, evaluate, load_agent, load_task_set, summary_table
-    from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable, make_sandbox
     from composer_jax.tasks import TaskError
 
     out = args.out or f"eval-{_slug(args.model)}-{_slug(args.tasks_dir)}"
@@ -117,7 +118,7 @@ def _run_eval(args) -> int:
         tasks = load_task_set(args.tasks_dir)
         agent = load_agent(args.model, temperature=args.temperature, overrides=args.overrides)
         try:
-            summary = evaluate(agent, tasks, out, config, sandbox=Sandbox(args.backend),
+            summary = evaluate(agent, tasks, out, config, sandbox=make_sandbox(args.backend),
                                log=None if args.quiet else lambda line: print(line, file=sys.stderr))
         finally:
             if hasattr(agent, "close"):   # an engine-backed agent's driver thread
@@ -177,8 +178,9 @@ def _add_eval(sub) -> None:
     r.add_argument("--seed", type=int, default=0, help="attempt seeds derive from it (default 0)")
     r.add_argument("--out", default=None, metavar="DIR", help="run directory (default: eval-MODEL-TASKS in the "
                                                               "current directory)")
-    r.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
-                   help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED (default bwrap)")
+    r.add_argument("--backend", choices=("bwrap", "none", "ray"), default="bwrap",
+                   help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED; 'ray' runs them in bwrap "
+                        "on the Ray cluster at RAY_ADDRESS (default bwrap)")
     r.add_argument("--quiet", action="store_true", help="no line per finished attempt on stderr")
     c = subcommand(eval_sub, "compare", _run_eval_compare,
                    "paired difference of two runs per score, flipped tasks, a PNG",

@@ -7,7 +7,12 @@ import logging
 import math
 import sys
 
+from composer_jax.checkpoint.safetensors_io import CheckpointError
+from composer_jax.config import ConfigError
+from composer_jax.data.errors import DataError
+
 EXIT_USAGE = 2
+USAGE_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, DataError)  # one line on stderr, exit EXIT_USAGE
 
 
 def human(n: float, units=("", "K", "M", "B", "T")) -> str:
@@ -24,14 +29,22 @@ def human_flops(n: float) -> str:
     return human(n, ("", "K", "M", "G", "T", "P", "E"))
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, low: int, kind: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a {kind} integer, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "positive")
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "non-negative")
 
 
 def command_group(sub, name: str, help_text: str, default: str | None = None):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
-from composer_jax.cli.common import command_group, load_model_or_run_config, quiet_logging, subcommand
+from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_group, load_model_or_run_config, positive_int,
+                                     quiet_logging, subcommand)
 from composer_jax.config import ConfigError
 from composer_jax.cpu_devices import use_cpu_devices
 
@@ -23,12 +26,14 @@ def _run_training(args, command: str) -> int:
     use_cpu_devices(cfg.train.cpu_devices)
     quiet_logging()
     from composer_jax.train.lifecycle import interrupted_line
-    from composer_jax.train.loop import train
 
-    s = train(cfg)
+    s, reports = _train_in_group(args, cfg, command)
     if "interrupted" in s:
-        print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        if reports:
+            print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
         return s["exit_status"]
+    if not reports:
+        return 0
     line = f"{command}: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_eval_loss" in s and "last_eval_loss" in s:
         drop = 100 * (1 - s["last_eval_loss"] / s["first_eval_loss"])
@@ -44,6 +49,58 @@ def _run_training(args, command: str) -> int:
     return 0
 
 
+def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
+    """Train alone, or as one process of the group the flags and the environment describe
+    (parallel/distributed.py): (the run's summary, whether this process reports it: alone or process 0).
+    A process that fails tells its peers (they stop with its reason) and exits at once: JAX's exit-time
+    shutdown would wait for peers that are gone."""
+    import jax
+
+    from composer_jax.parallel.distributed import DistributedError, find_group, initialize
+    from composer_jax.train.loop import train
+
+    try:
+        group = find_group(coordinator=args.coordinator, num_processes=args.num_processes,
+                           process_id=args.process_id, coordinator_port=args.coordinator_port)
+        watchdog = group and initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
+                                        label=f"composer-jax {command}")
+    except DistributedError as e:  # a usage error too: one line
+        raise ConfigError("", str(e)) from None
+    if group is None:
+        return train(cfg), True
+    try:
+        summary = train(cfg)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the peers before this process ends
+        if isinstance(e, jax.errors.JaxRuntimeError):  # a failed collective: is a peer gone?
+            watchdog.await_peers()
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        watchdog.fail(f"{type(e).__name__}: {reason}")
+        if isinstance(e, USAGE_ERRORS):
+            print(f"composer-jax {command}: error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_USAGE if isinstance(e, USAGE_ERRORS) else 1)
+    watchdog.finish()
+    return summary, group.process_id == 0
+
+
+def _add_distributed_flags(p) -> None:
+    g = p.add_argument_group("multi-process (one process per host)",
+                             "By default the group comes from SLURM (srun) or a Kubernetes indexed Job / JobSet "
+                             "(JOB_COMPLETION_INDEX); these flags override it. Without either: one process.")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (its coordination service)")
+    g.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the group")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
+    g.add_argument("--coordinator-port", type=positive_int, metavar="PORT",
+                   help="the coordinator's port when the address comes from SLURM or Kubernetes")
+    g.add_argument("--peer-timeout", type=float, default=120.0, metavar="S",
+                   help="a peer silent this long ends every process with an error naming it (default: 120)")
+    g.add_argument("--init-timeout", type=positive_int, default=300, metavar="S",
+                   help="how long to wait for all processes to join (default: 300)")
+
+
 def _add_training(sub, command: str, default: str, help_text: str) -> None:
     p = sub.add_parser(command, help=help_text,
                        description=f"{help_text}. Resumes from RUN_DIR/checkpoints when present.")
@@ -51,6 +108,7 @@ def _add_training(sub, command: str, default: str, help_text: str) -> None:
                    help=f"a run YAML path or a bundled run config name (default: {default})")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, e.g. train.steps=50 model.rope.factor=16")
+    _add_distributed_flags(p)
     p.set_defaults(run=lambda args: _run_training(args, command), default_config=default)
 
 

@@ -165,7 +165,16 @@ def blockwise_attention(q, k, v, mask: AttentionMask, scale: float, q_block: int
     query sees (every query must see at least one key); block sizes default to Q_BLOCK and K_BLOCK.
     Returns (out [batch, q, heads, dv] in v's dtype, max_logits f32[heads]: each head's largest
     `scale * q.k` over visible pairs, without gradient)."""
-    return _attention(q, k, v, mask, scale, q_block or Q_BLOCK, k_block or K_BLOCK)
+    return _attention(q, k, v, _tied_to(mask, q), scale, q_block or Q_BLOCK, k_block or K_BLOCK)
+
+
+def _tied_to(mask: AttentionMask, x: jax.Array) -> AttentionMask:
+    """`mask` made to depend on `x` (an optimization barrier, free at run time). Under a `lax.scan` over
+    layers the mask is loop-invariant, and differentiating the scan hoists everything computed from
+    loop-invariant values alone out of the loop: the per-block visibility and masked-score arrays of
+    every (query block, key block) pair, [nq, nk, batch, heads, qb, kb] -- quadratic in the sequence.
+    Tied to the layer's queries, the mask is no longer invariant and the blocks stay inside the loop."""
+    return jax.lax.optimization_barrier((mask, x))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -193,6 +202,7 @@ def blockwise_max_logits(q, k, mask: AttentionMask, scale: float, q_block: int |
     """f32[heads]: each head's largest `scale * q.k` over visible pairs, block by block (logits only:
     for kernels that do not report it), without gradient. Shapes as `blockwise_attention`."""
     q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    mask = _tied_to(mask, q)
     (b, _, h, _) = q.shape
     qb, kb = _block_sizes(q, k, q_block or Q_BLOCK, k_block or K_BLOCK)
     (q_seg, q_ord), keys = _mask_blocks(mask, qb, kb)

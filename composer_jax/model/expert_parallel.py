@@ -9,10 +9,23 @@ token shard and its slice of the experts (`experts / ep`, embed dim / efsdp):
   (Under the inference placement the experts' embed dim is whole: nothing to gather.)
 - `ep_a2a`: each device packs its token copies into a fixed-capacity buffer per destination `ep` rank,
   `all_to_all`s them to the devices owning their experts, runs `ragged_dot` on what it received, and
-  `all_to_all`s the results back. Assignments beyond the capacity are dropped and counted; capacity
-  factor 0 sizes the buffers so that nothing can drop.
-- `ep_ragged`: the same exchange with `jax.lax.ragged_all_to_all` (exact sizes, dropless). XLA:CPU
-  does not implement it: GPU/TPU only, checked by tools/device_check.sh.
+  `all_to_all`s the results back.
+- `ep_ragged`: the same exchange with `jax.lax.ragged_all_to_all`: exact-size sends, one receive
+  buffer per device. XLA:CPU does not implement it: GPU/TPU only, checked by tools/device_check.sh.
+
+Drop policy (`moe.capacity_factor` = c; `dispatch_rows` gives the buffer sizes, which the memory
+planner reports). A device with T local tokens and top-k routing sends T*k expert assignments and, on
+average, receives as many. With c > 0 its buffers hold about c*T*k rows, whatever `ep` is:
+- `ep_a2a`: ceil(c*T*k/ep) slots per (source, destination) pair; a source's copies beyond them are
+  dropped, the latest tokens first.
+- `ep_ragged`: ceil(c*T*k) receive rows; when more is sent to a device, every source's block to it is
+  cut by the same fraction (rounded down), the latest tokens of each block first.
+c = 0 sizes the buffers for the worst case, where nothing can drop: a token's k copies reach one rank
+at most min(k, experts per rank) times, so ep*T*min(k, experts per rank) rows (ep_a2a: in each of
+its send and receive buffers); at Kimi K2.5 scale (ep=64, k=8, 6 experts per rank) that is 48x the
+assignments. A dropped copy contributes nothing to its token's output (as if its combine weight were
+0); drops are counted and reported (`dropped`, summed over the mesh). Inference (decode, prefill) is
+always dropless: its per-step token counts are small and a drop would change the sampled tokens.
 
 Returns per device the combined output, and (summed over the mesh) the per-expert load and the
 number of dropped assignments.
@@ -31,6 +44,7 @@ from composer_jax.model import dispatch
 from composer_jax.model.dispatch import ExpertWeights
 from composer_jax.parallel.mesh import EXPERT_AXES, EXPERT_TOKEN_AXES, DualMesh
 from composer_jax.parallel.partitioning import expert_dispatch_specs
+
 
 def _gather_efsdp(w: ExpertWeights) -> ExpertWeights:
     """Inside shard_map: whole embed dims of the local experts (expert FSDP)."""
@@ -52,15 +66,34 @@ def _expert_ffn(x: jax.Array, local_expert: jax.Array, w: ExpertWeights) -> jax.
 
 
 def capacity(tokens: int, k: int, num_local: int, ep: int, factor: float) -> int:
-    """Slots per (source, destination) device pair for `tokens` local tokens with top-`k` routing.
-
-    A token picks k distinct experts, so at most min(k, experts per rank) of its copies go to one rank:
-    `tokens * min(k, num_local)` slots can never drop. A factor > 0 scales the even share instead.
-    """
+    """ep_a2a slots per (source, destination) device pair for `tokens` local tokens with top-`k` routing:
+    `factor` times the even share tokens*k/ep, or (factor 0) the `tokens * min(k, num_local)` slots
+    that can never drop (a token picks k distinct experts, at most min(k, num_local) on one rank)."""
     dropless = tokens * min(k, num_local)
     if factor <= 0:
         return dropless
     return max(1, min(dropless, math.ceil(factor * tokens * k / ep)))
+
+
+def receive_rows(tokens: int, k: int, num_local: int, ep: int, factor: float) -> int:
+    """ep_ragged receive-buffer rows per device: `factor` times the expected tokens*k, or (factor 0) the
+    worst case ep * tokens * min(k, num_local) (every source sends all it can to this device)."""
+    dropless = ep * tokens * min(k, num_local)
+    if factor <= 0:
+        return dropless
+    return max(1, min(dropless, math.ceil(factor * tokens * k)))
+
+
+def dispatch_rows(kind: str, tokens: int, k: int, num_local: int, ep: int, factor: float) -> dict[str, int]:
+    """Rows of the per-device exchange buffers of an expert-parallel backend (each row an embed-wide
+    vector in the compute dtype): {'send': ..., 'receive': ...}; the experts' FFN runs over the
+    received rows. Empty for the replicated-experts backends."""
+    if kind == "ep_a2a":
+        rows = ep * capacity(tokens, k, num_local, ep, factor)
+        return {"send": rows, "receive": rows}
+    if kind == "ep_ragged":
+        return {"send": tokens * k, "receive": receive_rows(tokens, k, num_local, ep, factor)}
+    return {}
 
 
 def _a2a_local(x, weights, idx, w: ExpertWeights, ep: int, factor: float):
@@ -87,42 +120,56 @@ def _a2a_local(x, weights, idx, w: ExpertWeights, ep: int, factor: float):
     return y.astype(x.dtype), jnp.sum(~keep)
 
 
-def _ragged_a2a_local(x, weights, idx, w: ExpertWeights, ep: int):
-    """ep_ragged on one device: exact-size exchange with ragged_all_to_all (GPU/TPU)."""
+def _kept_blocks(sizes: jax.Array, rows: int) -> jax.Array:
+    """int32[src, dst]: how much of each block `sizes` [src, dst] fits in `rows` receive rows per
+    destination: all of it when the column fits, else every block cut by the same fraction (rounded
+    down; float math, then clamped so that a column never exceeds `rows`)."""
+    total = sizes.sum(axis=0, keepdims=True)
+    scale = jnp.minimum(1.0, rows / jnp.maximum(total, 1).astype(jnp.float32))
+    kept = jnp.floor(sizes.astype(jnp.float32) * scale).astype(jnp.int32)
+    before = jnp.cumsum(kept, axis=0) - kept
+    return jnp.clip(jnp.minimum(kept, rows - before), 0, None)
+
+
+def _ragged_a2a_local(x, weights, idx, w: ExpertWeights, ep: int, factor: float):
+    """ep_ragged on one device: exact-size sends with ragged_all_to_all (GPU/TPU), `receive_rows` rows
+    received (see the module docstring for what drops)."""
     tokens, k = idx.shape
     num_local = w.gate.shape[0]
     flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)          # by destination rank, then local expert
     dest = flat // num_local
+    order = jnp.argsort(dest, stable=True)          # by destination rank, token order within a block
     send_sizes = jnp.bincount(dest, length=ep).astype(jnp.int32)
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
-    # recv_sizes[j]: what rank j sends me; output_offsets[j]: where my block lands in rank j's buffer.
-    recv_sizes = jax.lax.all_to_all(send_sizes, "ep", 0, 0, tiled=True)
-    sizes_matrix = jax.lax.all_gather(send_sizes, "ep")                # [src, dst]
+    rows = receive_rows(tokens, k, num_local, ep, factor)
+    kept = _kept_blocks(jax.lax.all_gather(send_sizes, "ep"), rows)   # [src, dst], the same everywhere
     me = jax.lax.axis_index("ep")
-    output_offsets = (jnp.cumsum(sizes_matrix, axis=0) - sizes_matrix)[me]
-    capacity_rows = tokens * k * ep                                    # worst case: everyone sends here
+    sent, recv_sizes = kept[me], kept[:, me]
+    # output_offsets[j]: where my block lands in rank j's receive buffer (sources in rank order).
+    output_offsets = (jnp.cumsum(kept, axis=0) - kept)[me]
     source = order // k
     send_x = jnp.take(x, source, axis=0)
     send_e = jnp.take(flat % num_local, order)
     exchange = lambda a, fill: jax.lax.ragged_all_to_all(  # noqa: E731
-        a, jnp.full((capacity_rows,) + a.shape[1:], fill, a.dtype), input_offsets, send_sizes,
-        output_offsets, recv_sizes, axis_name="ep")
+        a, jnp.full((rows,) + a.shape[1:], fill, a.dtype), input_offsets, sent, output_offsets, recv_sizes,
+        axis_name="ep")
     recv_x, recv_e = exchange(send_x, 0), exchange(send_e, num_local)
     out = _expert_ffn(recv_x, recv_e, w)
-    # Send results back: the reverse exchange swaps the roles of the sizes and offsets.
+    # Send results back: the reverse exchange swaps the roles of the sizes and offsets; the dropped
+    # tail of each block gets nothing back (zeros).
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     back_offsets = jax.lax.all_to_all(input_offsets, "ep", 0, 0, tiled=True)  # my block's place at each source
     back = jax.lax.ragged_all_to_all(out, jnp.zeros((tokens * k,) + out.shape[1:], out.dtype), recv_offsets,
-                                     recv_sizes, back_offsets, send_sizes, axis_name="ep")
+                                     recv_sizes, back_offsets, sent, axis_name="ep")
     contrib = back.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
     y = jnp.zeros((tokens, x.shape[1]), jnp.float32).at[source].add(contrib)
-    return y.astype(x.dtype), jnp.zeros((), jnp.int32)
+    return y.astype(x.dtype), jnp.sum(send_sizes - sent)
 
 
 def sharded_dispatch(kind: str, dual: DualMesh, x, weights, idx, experts: ExpertWeights, factor: float):
     """Dispatch on the expert mesh. x: [tokens, embed], weights: f32[tokens, k], idx: int32[tokens, k],
-    all sharded on the dense token axes; experts on the expert mesh.
+    all sharded on the dense token axes; experts on the expert mesh; factor: the capacity factor of
+    the expert-parallel backends (module docstring; 0 = dropless).
 
     Returns y [tokens, embed] (dense token sharding), load f32[experts] and dropped int32[] (replicated).
     """
@@ -137,7 +184,7 @@ def sharded_dispatch(kind: str, dual: DualMesh, x, weights, idx, experts: Expert
         if kind == "ep_a2a":
             y, dropped = _a2a_local(x, weights, idx, w, ep, factor)
         elif kind == "ep_ragged":
-            y, dropped = _ragged_a2a_local(x, weights, idx, w, ep)
+            y, dropped = _ragged_a2a_local(x, weights, idx, w, ep, factor)
         else:
             gather = lambda a: jax.lax.all_gather(a, "ep", axis=0, tiled=True)  # noqa: E731
             y = dispatch.BACKENDS[kind](x, weights, idx, ExpertWeights(*map(gather, w)))

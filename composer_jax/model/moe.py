@@ -19,7 +19,8 @@ class MoE(nnx.Module):
     """x: [batch, seq, embed] -> (y [batch, seq, embed], stats).
 
     stats: `expert_load` f32[experts] (assignments per expert) and `dropped` int32[] (assignments
-    dropped by a fixed-capacity dispatch). With `mesh` (a DualMesh, static; set by
+    dropped by an expert-parallel dispatch over its capacity, `moe.capacity_factor`; never under the
+    inference placement). With `mesh` (a DualMesh, static; set by
     `parallel.shard_model`) the routed experts run on its expert mesh
     (composer_jax.model.expert_parallel); without one, on the local backend. Under the inference
     placement a small batch's tokens are zero-padded to the device count for the dispatch (the padding
@@ -67,8 +68,8 @@ class MoE(nnx.Module):
                 tokens, weights, idx = (spread_tokens(a, dual) for a in (tokens, weights, idx))
             with dual.expert_scope():
                 w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
-            y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w,
-                                                self.capacity_factor)
+            factor = 0.0 if dual.inference else self.capacity_factor  # decoding never drops
+            y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w, factor)
             if dual.inference:
                 y = unspread_tokens(y, b * s, token_spec)
             out_spec = P(batch, None, None) if dual.inference else activation_spec("batch", "seq", None)

@@ -14,9 +14,15 @@ all buckets of one matrix shape form a `Group`, whichever mesh they live on, and
 Newton-Schulz per chunk. After the exchange each device holds a bucket's matrices in layers (one
 matrix per device per layer); only a bucket's last layer can be partly padding (zero matrices: NS maps
 zero to zero), and the last layers of a group's buckets are packed, rotated onto disjoint devices, into
-as few shared layers as fit, so a group costs each device about ceil(matrices / devices) NS. A group's
-layers are cut into chunks: independent all-to-all -> NS -> all-to-all chains, so XLA's scheduler can
-overlap one chunk's communication with another's compute.
+as few shared layers as fit, so a group costs each device about ceil(matrices / devices) NS. A shared
+layer holding r < devices real matrices still costs every device one whole NS; when it is cheaper, the
+layer is *split* instead (`SplitLayer`): each real matrix is cut into one column block per device
+(an all-to-all), every device runs the NS steps on its blocks of all r matrices with the Gram matrices
+summed over the devices (a psum of r m x m matrices per step), and the blocks go back. That costs
+6 m^2 n r / devices FLOPs a step per device (the polynomial applied as aX + b(AX) + c(A(AX)), every
+product m x m by m x n/devices) instead of 4 m^2 n + 2 m^3, so a few large matrices no longer leave most
+devices idle. A group's other layers are cut into chunks: independent all-to-all -> NS -> all-to-all
+chains, so XLA's scheduler can overlap one chunk's communication with another's compute.
 
 Everything here is decided from shapes, shardings and meshes at trace time and is immutable once made.
 """
@@ -33,6 +39,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.optim.newton_schulz import ns_flops
 from composer_jax.parallel.leafwise import abstract, mesh_of
 
 
@@ -95,15 +102,22 @@ class Leaf:
         return math.prod(self.shape[d] for d in self.view.cols)
 
 
+def describe_leaf(index: int, shape: Sequence[int], dtype, view: MatrixView, placement, spec: P | None) -> Leaf:
+    """A leaf's facts from its shape, dtype, view, mesh (a concrete Mesh, an AbstractMesh or None) and
+    PartitionSpec: what `plan_groups` needs, with or without arrays (e.g. to plan for a layout whose
+    devices are not here)."""
+    shape, mesh = tuple(shape), abstract(placement)
+    if mesh is None or mesh.size == 1 or not all(t == AxisType.Explicit for t in mesh.axis_types):
+        return Leaf(index, shape, jnp.dtype(dtype), view, None, None, P(), ((),) * len(shape))
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    dim_axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+    return Leaf(index, shape, jnp.dtype(dtype), view, mesh, placement, spec, dim_axes)
+
+
 def leaf_info(index: int, x: jax.Array, view: MatrixView) -> Leaf:
     placement = mesh_of(x)
-    mesh = abstract(placement)
-    if mesh is None or mesh.size == 1 or not all(t == AxisType.Explicit for t in mesh.axis_types):
-        return Leaf(index, tuple(x.shape), jnp.dtype(x.dtype), view, None, None, P(), ((),) * x.ndim)
-    spec = jax.typeof(x).sharding.spec
-    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
-    dim_axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
-    return Leaf(index, tuple(x.shape), jnp.dtype(x.dtype), view, mesh, placement, spec, dim_axes)
+    spec = jax.typeof(x).sharding.spec if placement is not None else None
+    return describe_leaf(index, x.shape, x.dtype, view, placement, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,17 +236,52 @@ class Part:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitLayer:
+    """A shared layer orthogonalized split into column blocks across the devices (module docstring);
+    `real`: the positions (in the stack's device order) that hold a real matrix."""
+
+    part: Part
+    real: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Group:
-    """Buckets of one matrix shape on one device count, orthogonalized together chunk by chunk."""
+    """Buckets of one matrix shape on one device count, orthogonalized together chunk by chunk, and the
+    shared layers that run split."""
 
     buckets: tuple[Bucket, ...]
     chunks: tuple[tuple[Part, ...], ...]
     m: int
     n: int
+    split: tuple[SplitLayer, ...] = ()
 
     @property
     def home(self) -> Bucket:  # the NS batch runs on the first bucket's mesh
         return self.buckets[0]
+
+    def ns_flops(self, steps: int) -> int:
+        """NS FLOPs per device: every device runs each chunk's whole layers and its blocks of the split
+        layers (zero padding included: it costs as much as a real matrix)."""
+        layers = sum(owners_size(part) for parts in self.chunks for part in parts)
+        split = sum(split_ns_flops(self.m, self.n, len(layer.real), self.home.num_devices, steps)
+                    for layer in self.split)
+        return layers * ns_flops(self.m, self.n, steps) + split
+
+
+def owners_size(part: Part) -> int:
+    """Layers a part adds to its chunk's NS batch (the owners of a shared layer share one)."""
+    return part.owners[0][1].size
+
+
+def split_width(n: int, devices: int) -> int:
+    """Columns per device of a split matrix of width n (zero columns pad it to a multiple of devices:
+    they stay zero through NS and do not change the Gram matrix)."""
+    return -(-n // devices)
+
+
+def split_ns_flops(m: int, n: int, real: int, devices: int, steps: int) -> int:
+    """Per-device NS FLOPs of a split layer of `real` m x n matrices (m <= n): 6 m^2 w a step per block."""
+    return steps * real * 6 * m * m * split_width(n, devices)
 
 
 def check_meshes(xs: Sequence[jax.Array], paths: Sequence[str], meshes: Sequence[Mesh]) -> None:
@@ -300,13 +349,32 @@ def _pack_partial_layers(buckets: Sequence[Bucket]) -> tuple[list[int], list[lis
     return offsets, [members for _, members in shared]
 
 
-def _plan_chunks(buckets: Sequence[Bucket], shared: list[list[int]], chunks: int):
-    """Cut the group's layers (every bucket's full layers, then the shared layers) into <= `chunks`
-    near-equal runs. Returns the chunks' parts and each bucket's pieces (in layer order)."""
+def _real_positions(buckets: Sequence[Bucket], members: list[int]) -> tuple[int, ...]:
+    """Positions of a shared layer that hold a real matrix (its members' disjoint last layers)."""
+    real = np.zeros(buckets[members[0]].num_devices, bool)
+    for i in members:
+        real |= buckets[i].real_devices(buckets[i].offset)
+    return tuple(int(p) for p in np.flatnonzero(real))
+
+
+def _splits(buckets: Sequence[Bucket], shared: list[list[int]], m: int, n: int) -> list[bool]:
+    """Per shared layer: whether splitting it into column blocks costs each device fewer FLOPs than one
+    whole NS (the rule of the module docstring; one step's cost decides, every step costs the same)."""
+    devices = buckets[0].num_devices
+    whole = ns_flops(m, n, 1)
+    return [devices > 1 and split_ns_flops(m, n, len(_real_positions(buckets, members)), devices, 1) < whole
+            for members in shared]
+
+
+def _plan_chunks(buckets: Sequence[Bucket], shared: list[list[int]], chunks: int, split: Sequence[bool] = ()):
+    """Cut the group's layers (every bucket's full layers, then the shared layers that do not run split)
+    into <= `chunks` near-equal runs. Returns the chunks' parts, the split layers (their pieces carry
+    chunk index `len(chunks)`) and each bucket's pieces (in layer order)."""
+    split = list(split) or [False] * len(shared)
     units = [(i, layer) for i, b in enumerate(buckets) for layer in range(b.full_layers)]
-    units += [(None, s) for s in range(len(shared))]
-    num = max(1, min(chunks, len(units)))
-    bounds = [round(c * len(units) / num) for c in range(num + 1)]
+    units += [(None, s) for s in range(len(shared)) if not split[s]]
+    num = min(chunks, len(units))           # 0 when every layer runs split
+    bounds = [round(c * len(units) / num) for c in range(num + 1)] if num else []
     pieces: list[list[Piece]] = [[] for _ in buckets]
     plan = []
     for c in range(num):
@@ -326,13 +394,19 @@ def _plan_chunks(buckets: Sequence[Bucket], shared: list[list[int]], chunks: int
                 pieces[b].append(piece)
             parts.append(Part(owners))
         plan.append(tuple(parts))
-    return tuple(plan), [tuple(sorted(p, key=lambda piece: piece.first)) for p in pieces]
+    split_layers = []
+    for s, members in enumerate(shared):
+        if split[s]:
+            owners = tuple((b, Piece(len(plan), buckets[b].full_layers, 1)) for b in members)
+            for b, piece in owners:
+                pieces[b].append(piece)
+            split_layers.append(SplitLayer(Part(owners), _real_positions(buckets, members)))
+    return tuple(plan), tuple(split_layers), [tuple(sorted(p, key=lambda piece: piece.first)) for p in pieces]
 
 
-def plan_groups(xs: Sequence[jax.Array], views: Sequence[MatrixView], chunks: int,
-                meshes: Sequence[Mesh] = ()) -> list[Group]:
-    """The whole exchange plan for leaves `xs` with matrix views `views`."""
-    leaves = [leaf_info(i, x, view) for i, (x, view) in enumerate(zip(xs, views))]
+def plan_groups(leaves: Sequence[Leaf], chunks: int, meshes: Sequence[Mesh] = (), split: bool = False) -> list[Group]:
+    """The whole exchange plan for `leaves` (`leaf_info` of arrays, or `describe_leaf`); `split`: whether
+    shared layers may run split (the executor then needs the split NS steps)."""
     by_shape: dict[tuple, list[Bucket]] = {}
     for bucket in _buckets(leaves, meshes):
         key = (bucket.num_devices, bucket.first.m, bucket.first.n, bucket.first.dtype)
@@ -342,7 +416,13 @@ def plan_groups(xs: Sequence[jax.Array], views: Sequence[MatrixView], chunks: in
         offsets, shared = _pack_partial_layers(buckets)
         buckets = [dataclasses.replace(b, offset=o) for b, o in zip(buckets, offsets)]
         communicates = any(b.gathered or b.replicated for b in buckets)  # else there is nothing to overlap
-        plan, pieces = _plan_chunks(buckets, shared, chunks if communicates else 1)
+        splits = _splits(buckets, shared, m, n) if split else ()
+        plan, split_layers, pieces = _plan_chunks(buckets, shared, chunks if communicates else 1, splits)
         buckets = tuple(dataclasses.replace(b, pieces=p) for b, p in zip(buckets, pieces))
-        groups.append(Group(buckets, plan, m, n))
+        groups.append(Group(buckets, plan, m, n, split_layers))
     return groups
+
+
+def ns_flops_per_device(groups: Sequence[Group], steps: int) -> int:
+    """The plan's NS FLOPs per device (dense-GEMM count, `newton_schulz.ns_flops`'s convention)."""
+    return sum(group.ns_flops(steps) for group in groups)

@@ -5,24 +5,37 @@ batch, and comes back in its leaf's own shape, axis order and sharding.
 Per bucket, `_gather` (a `shard_map` over the bucket's mesh) turns the leaves' local blocks into whole
 matrices with all-to-alls, one array per piece; per chunk, the group's pieces are moved onto the home
 bucket's mesh (no data moves: the meshes enumerate the same devices in one order), stacked, run
-through NS and split back; `_scatter` returns each bucket's matrices to its leaves. Leaves on a mesh
-with non-Explicit axes, or without a mesh, are handled in the global view (XLA partitions that).
+through NS and split back; a split layer (`exchange_plan.SplitLayer`) is normalised whole, cut into
+column blocks over the devices and run through the split NS steps (`_orthogonalize_split`); `_scatter`
+returns each bucket's matrices to its leaves. Leaves on a mesh with non-Explicit axes, or without a
+mesh, are handled in the global view (XLA partitions that).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.optim.exchange_plan import Bucket, MatrixView, check_meshes, matrix_view, plan_groups
+from composer_jax.optim.exchange_plan import (Bucket, MatrixView, check_meshes, leaf_info, matrix_view, plan_groups,
+                                              split_width)
 from composer_jax.parallel.leafwise import on_mesh
 
-__all__ = ["MatrixView", "check_meshes", "matrix_view", "orthogonalize"]
+__all__ = ["MatrixView", "SplitNS", "check_meshes", "matrix_view", "orthogonalize"]
+
+
+class SplitNS(NamedTuple):
+    """The two halves of NS that a split layer runs apart (`newton_schulz.normalize` and `split_steps`):
+    normalize(x [..., m, n]) on whole matrices; steps(block [r, m, w], reduce) on column blocks."""
+
+    normalize: Callable[[jax.Array], jax.Array]
+    steps: Callable[[jax.Array, Callable[[jax.Array], jax.Array]], jax.Array]
 
 
 def _shard_map(fn, bucket: Bucket, in_specs, out_specs, check_vma=True):
@@ -149,17 +162,53 @@ def _to_mesh(x: jax.Array, src: Bucket, dst: Bucket) -> jax.Array:
         return jax.sharding.reshard(x, NamedSharding(dst.mesh, _stack_spec(dst)))
 
 
+def _orthogonalize_split(bucket: Bucket, x: jax.Array, real: tuple[int, ...], split: SplitNS) -> jax.Array:
+    """One split layer: x [devices, m, n] on `bucket`'s mesh, one matrix per device (real ones at the
+    positions `real`, zeros elsewhere) -> its NS, the same layout. Each matrix is normalised whole, then
+    cut into one column block per device (an all-to-all); every device runs the steps on its blocks of
+    the real matrices, with Gram matrices summed over all devices, and the blocks go back."""
+    devices, (m, n) = bucket.num_devices, x.shape[-2:]
+    width = split_width(n, devices)
+    axes = tuple(bucket.mesh.axis_names)
+    sizes, real = _sizes(bucket, axes), np.asarray(real)
+
+    def reduce(a):  # one single-axis psum per mesh axis (see `_all_to_all`)
+        for name in axes:
+            a = jax.lax.psum(a, name)
+        return a
+
+    def exchange(a):
+        if bucket.needs_cpu_barrier:
+            a = jax.lax.optimization_barrier(a)
+        return _all_to_all(a, axes, sizes, 0, 0)
+
+    def local(x):  # x [1, m, n] -> its column blocks, block j to device j -> [devices, m, width]
+        x = jnp.pad(x[0], [(0, 0), (0, devices * width - n)])
+        blocks = exchange(jnp.swapaxes(x.reshape(m, devices, width), 0, 1))   # row s: my block of device s's
+        out = jnp.zeros_like(blocks).at[real].set(split.steps(blocks[real], reduce))
+        out = jnp.swapaxes(exchange(out), 0, 1).reshape(m, devices * width)   # my matrix, whole again
+        return out[None, :, :n]
+
+    x = split.normalize(x)
+    with on_mesh(bucket.placement):
+        return _shard_map(local, bucket, (_stack_spec(bucket),), _stack_spec(bucket))(x)
+
+
 def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
-                  ns: Callable[[jax.Array], jax.Array], chunks: int = 1, meshes: Sequence[Mesh] = ()) -> list[jax.Array]:
+                  ns: Callable[[jax.Array], jax.Array], chunks: int = 1, meshes: Sequence[Mesh] = (),
+                  split: SplitNS | None = None) -> list[jax.Array]:
     """Apply `ns` ([..., m, n] -> [..., m, n], independently per matrix, m <= n) to every matrix of
     every leaf; each leaf comes back in its own shape, axis order and sharding, in `ns`'s output dtype.
 
     xs: the leaves; views: their `MatrixView`s; chunks: runs each same-shape group is cut into;
-    meshes: the concrete meshes of the leaves (needed when they live on more than one; `check_meshes`).
+    meshes: the concrete meshes of the leaves (needed when they live on more than one; `check_meshes`);
+    split: `ns` in two halves (`SplitNS`), which lets the plan split a layer of a few matrices into
+    column blocks over all devices where that costs less (`exchange_plan`); None: never split.
     """
     check_meshes(xs, [f"leaf {i}" for i in range(len(xs))], meshes)
     outputs: list[jax.Array | None] = [None] * len(xs)
-    for group in plan_groups(xs, views, chunks, meshes):
+    leaves = [leaf_info(i, x, view) for i, (x, view) in enumerate(zip(xs, views))]
+    for group in plan_groups(leaves, chunks, meshes, split=split is not None):
         home, m, n = group.home, group.m, group.n
         gathered = [dict(zip(b.pieces, _gather(b, [xs[leaf.index] for leaf in b.leaves]))) for b in group.buckets]
         results: list[dict] = [{} for _ in group.buckets]
@@ -179,6 +228,12 @@ def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
             for part, block in zip(parts, blocks):
                 for i, piece in part.owners:
                     results[i][piece] = _to_mesh(block, home, group.buckets[i])
+        for layer in group.split:
+            with on_mesh(home.placement):
+                x = sum(stack(i, piece) for i, piece in layer.part.owners).reshape(home.num_devices, m, n)
+                block = _orthogonalize_split(home, x, layer.real, split)
+            for i, piece in layer.part.owners:
+                results[i][piece] = _to_mesh(block, home, group.buckets[i])
         for bucket, res in zip(group.buckets, results):
             for leaf, y in zip(bucket.leaves, _scatter(bucket, [res[p] for p in bucket.pieces])):
                 outputs[leaf.index] = y

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from composer_jax.optim import layout
-from composer_jax.optim.newton_schulz import coefficient_schedule, newton_schulz
+from composer_jax.optim.newton_schulz import coefficient_schedule, newton_schulz, normalize, split_steps
 from composer_jax.optim.plan import ADAM, FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
 from composer_jax.parallel.leafwise import localize, mesh_of, on_mesh, per_mesh
 
@@ -158,8 +158,11 @@ def muon(
         for h in mu_hat:
             with on_mesh(mesh_of(h)):  # the cast is an op on the leaf's own grid
                 ns_inputs.append(h.astype(ns_dtype or h.dtype))
+        split = layout.SplitNS(lambda x: normalize(x, localize(eps, mesh_of(x))),
+                               lambda block, reduce: split_steps(block, schedule, reduce))
         ortho = layout.orthogonalize(ns_inputs, views,
-                                     lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks, meshes)
+                                     lambda x: newton_schulz(x, schedule, localize(eps, mesh_of(x))), chunks, meshes,
+                                     split)
         directions = []
         for i, o, h in zip(ids, ortho, mu_hat):
             reduction, output = plan.axes[i]

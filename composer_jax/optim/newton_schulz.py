@@ -92,21 +92,27 @@ def coefficient_schedule(ns_coeffs: str | Sequence, ns_steps: int) -> np.ndarray
     return _extend(rows, ns_steps)
 
 
+def normalize(x: jax.Array, eps: float = 1e-8, dtype=None) -> jax.Array:
+    """Every matrix of x [..., m, n] divided by its own Frobenius norm (computed in float32) plus `eps`,
+    in `dtype` (default x.dtype): NS's input scaling."""
+    x32 = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(x32 * x32, axis=(-2, -1), keepdims=True))
+    return (x32 / (norm + eps)).astype(jnp.dtype(dtype or x.dtype))
+
+
 def newton_schulz(x: jax.Array, schedule: np.ndarray, eps: float = 1e-8, dtype=None) -> jax.Array:
     """Orthogonalize every matrix of a batch: x [..., m, n] -> [..., m, n] in `dtype` (default x.dtype).
 
-    Each matrix is divided by its own Frobenius norm (computed in float32) plus `eps`, then runs one NS
-    step per row of `schedule` (f64[steps, 3], from `coefficient_schedule`); the loop is unrolled in
-    Python so that XLA's cost analysis sees every step. Wide-side-inside: when m > n the matrices are
-    transposed so that the Gram matrix is min(m, n) square.
+    Each matrix is scaled by `normalize`, then runs one NS step per row of `schedule` (f64[steps, 3],
+    from `coefficient_schedule`); the loop is unrolled in Python so that XLA's cost analysis sees every
+    step. Wide-side-inside: when m > n the matrices are transposed so that the Gram matrix is
+    min(m, n) square.
     """
     dtype = jnp.dtype(dtype or x.dtype)
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
-    x32 = x.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(x32 * x32, axis=(-2, -1), keepdims=True))
-    x = (x32 / (norm + eps)).astype(dtype)
+    x = normalize(x, eps, dtype)
     eye = jnp.eye(x.shape[-2], dtype=dtype)
     for a, b, c in np.asarray(schedule, np.float64).tolist():  # Python floats: weakly typed, keep `dtype`
         gram = x @ jnp.swapaxes(x, -1, -2)
@@ -114,6 +120,20 @@ def newton_schulz(x: jax.Array, schedule: np.ndarray, eps: float = 1e-8, dtype=N
         # the m x n X (same polynomial as a X + (b A + c A A) X, one less read and write of X).
         x = (b * gram + c * gram @ gram + a * eye) @ x
     return jnp.swapaxes(x, -1, -2) if transposed else x
+
+
+def split_steps(x: jax.Array, schedule: np.ndarray, reduce) -> jax.Array:
+    """NS steps on matrices held as column blocks across devices: x [..., m, w] is this device's block of
+    each (already `normalize`d) m x n matrix, m <= n; `reduce` sums an array over the devices holding
+    the other blocks (a psum). The same polynomial as `newton_schulz`, applied as
+    a X + b (A X) + c (A (A X)) with A = reduce(X X^T): every product is m x m by m x w, so a step costs
+    6 m^2 w FLOPs per block and no device forms A A (2 m^3). Gram partial sums accumulate in float32."""
+    dtype = x.dtype
+    for a, b, c in np.asarray(schedule, np.float64).tolist():
+        gram = reduce(jnp.matmul(x, jnp.swapaxes(x, -1, -2), preferred_element_type=jnp.float32)).astype(dtype)
+        ax = gram @ x
+        x = a * x + b * ax + c * (gram @ ax)
+    return x
 
 
 def ns_flops(m: int, n: int, steps: int) -> int:

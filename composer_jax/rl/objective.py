@@ -124,6 +124,9 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
         sums["kl_k1"] = token_sum(sg(losses.kl_estimate(logp, batch.ref_logprobs, "k1")))
         sums["kl_k3"] = token_sum(sg(losses.kl_estimate(logp, batch.ref_logprobs, "k3")))
     maxes = dict(is_weight_max=jnp.max(jnp.where(mask > 0, weights, 0.0)))
+    # Expert assignments dropped by the dispatch's capacity (moe.capacity_factor) and all made.
+    sums.update(moe_dropped=jnp.sum(out.dropped).astype(jnp.float32),
+                moe_assigned=jnp.sum(out.expert_load).astype(jnp.float32))
 
     if feedback:
         fb = feedback_rows(batch)
@@ -154,7 +157,9 @@ def _combine(acc, new):
 
 def _metrics(terms: dict, sums: dict, maxes: dict, totals: StepTotals, batch: RolloutBatch) -> dict:
     per_token = jnp.maximum(totals.tokens, 1.0)
-    metrics = {name: value / per_token for name, value in sums.items() if name != "mtp_kl"}
+    per_step = ("mtp_kl", "moe_dropped", "moe_assigned")
+    metrics = {name: value / per_token for name, value in sums.items() if name not in per_step}
+    metrics["moe_dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0)
     metrics.update(maxes)
     for k in range(totals.mtp_targets.shape[0]):
         metrics[f"mtp{k + 1}_kl"] = sums["mtp_kl"][k] / jnp.maximum(totals.mtp_targets[k], 1.0)

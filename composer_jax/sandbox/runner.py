@@ -38,6 +38,7 @@ SANDBOX_HOME = "/tmp/home"
 SYSTEM_DIRS = ("/usr", "/etc", "/opt")                               # bound read-only when present
 ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks (merged /usr) or dirs
 BACKENDS = ("bwrap", "none")
+SANDBOX_BACKENDS = (*BACKENDS, "ray")   # ray: bwrap on the machines of a Ray cluster (sandbox/ray_sandbox.py)
 # Launcher: join the cgroups (pid of this shell, which then execs), then exec the rest of argv.
 JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
@@ -256,3 +257,12 @@ def _kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> None:
         pass
     if cgroup is not None:
         cgroup.kill_all()
+
+
+def make_sandbox(backend: str = "bwrap", limits: Limits | None = None):
+    """A Sandbox ('bwrap', 'none') or, for 'ray', a RaySandbox: the same interface, run on a Ray cluster."""
+    if backend == "ray":
+        from composer_jax.sandbox.ray_sandbox import RaySandbox
+
+        return RaySandbox(limits)
+    return Sandbox(backend, limits)

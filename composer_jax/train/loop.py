@@ -9,6 +9,13 @@ synchronisation happens only every `log_every` steps (metrics) and at evals and 
 SIGTERM stops the loop after the current step with a checkpoint of it (`train.lifecycle`). Everything
 a run writes lives in RUN_DIR: `config.yaml` (resolved), `metrics.jsonl`, `tb/` (TensorBoard),
 `skipped_records.log` and `checkpoints/`.
+
+In a process group (parallel/distributed.py) every process runs this loop on its own share of the
+data; the dual grid spans all processes' devices, process by process, so its leading axes (`replica`,
+`ereplica`) cross hosts. Checkpoints are written by all processes together (orbax); config.yaml,
+metrics, TensorBoard and the progress bar by process 0 only; each other process keeps its own
+`skipped_records.process<i>.log`. A signal stops a group after the same step in every process: they
+agree at the next log point (`train.log_every`), so each saves the same checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -26,13 +34,14 @@ from composer_jax.config import ConfigError
 from composer_jax.data.sources import resolve_root
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
+from composer_jax.parallel.distributed import any_process, process_major_devices
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import step as step_lib
 from composer_jax.train.batches import Batches
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, to_dict
-from composer_jax.train.lifecycle import StopSignals, schedule_on_resume
+from composer_jax.train.lifecycle import StopSignals, exit_status, schedule_on_resume
 from composer_jax.train.state import StateLayout, TrainState
 
 log = logging.getLogger(__name__)
@@ -41,11 +50,15 @@ SKIP_FILE = "skipped_records.log"  # every record the data pipeline skipped or t
 
 
 def make_mesh(cfg: RunConfig) -> DualMesh:
-    """The dual grid over `train.num_devices` devices (0 = all), checked against the batch and model."""
-    devices = jax.devices()
+    """The dual grid over `train.num_devices` devices (0 = all; all of them in a process group, ordered
+    process by process), checked against the batch and model."""
+    devices = process_major_devices()
     n = cfg.train.num_devices or len(devices)
     if n > len(devices):
         raise ConfigError("train.num_devices", f"{n} devices requested, {len(devices)} available")
+    if jax.process_count() > 1 and n != len(devices):
+        raise ConfigError("train.num_devices", f"a group of {jax.process_count()} processes trains on all "
+                                               f"{len(devices)} devices: set 0, not {n}")
     dual = DualMesh(cfg.mesh, devices[:n], model=cfg.model)
     data_parallel = math.prod(dual.sizes[a] for a in BATCH_AXES)
     micro = cfg.train.batch_size // cfg.train.grad_accum
@@ -133,17 +146,25 @@ class Trainer:
         self.checkpoints.save(step, self.state, self.batches.state(), to_dict(self.cfg))
 
     def _open_run_dir(self, start: int) -> metrics_lib.MetricsWriter:
-        """Create RUN_DIR: the resolved config, the skip list, and the logs cut back to `start`."""
+        """Create RUN_DIR: the resolved config, the skip list, and the logs cut back to `start` (process 0;
+        the others write only their skip lists and log nothing)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.batches.skips.write_to(self.skip_file, f"run from step {start}; data paths relative to "
+                                                    f"{resolve_root(self.cfg.data.path)}")
+        if jax.process_index() != 0:
+            return metrics_lib.MetricsWriter(None)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
-        skip_file = self.run_dir / SKIP_FILE
-        self.batches.skips.write_to(skip_file, f"run from step {start}; data paths relative to "
-                                               f"{resolve_root(self.cfg.data.path)}")
         writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
         if writer.dropped:
             where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"
             log.info("dropped %d metrics records logged %s", writer.dropped, where)
         return writer
+
+    @property
+    def skip_file(self) -> Path:
+        """This process's list of skipped records (process 0: SKIP_FILE)."""
+        index = jax.process_index()
+        return self.run_dir / (SKIP_FILE if index == 0 else SKIP_FILE.replace(".log", f".process{index}.log"))
 
     def run(self) -> dict:
         """Train from the current step to `train.steps`, or until SIGINT / SIGTERM. Returns a summary
@@ -154,11 +175,19 @@ class Trainer:
         throughput = metrics_lib.Throughput(tc.batch_size * tc.seq_len, model_info(cfg.model, tc.seq_len).flops.total,
                                             metrics_lib.run_peak_flops(list(self.dual.dense.devices.flat),
                                                                        tc.peak_flops))
-        progress = metrics_lib.Progress(tc.steps, start, tc.progress)
+        progress = metrics_lib.Progress(tc.steps, start, tc.progress, muted=jax.process_index() != 0)
         has_eval = self.batches.eval_data is not None
-        summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.run_dir / SKIP_FILE)}
+        summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.skip_file)}
         t_begin = time.perf_counter()
         pending, step, saved = [], start, self.resumed_from
+        in_group = jax.process_count() > 1
+
+        def should_stop(log_point: bool) -> bool:
+            """A signal was received (alone), or by any process of the group: they agree at log points
+            only, so that all stop after the same step."""
+            if not in_group:
+                return stop.requested is not None
+            return log_point and any_process(stop.requested is not None)
 
         def log_pending():
             host = jax.device_get([m for _, m in pending])
@@ -186,7 +215,8 @@ class Trainer:
                     evaluate(0)
                 progress.status("compiling the train step")
                 throughput.restart()
-                while step < tc.steps and not stop.requested:
+                stopping = should_stop(False)
+                while step < tc.steps and not stopping:
                     step += 1
                     self.state, m = self.step_fn(self.state, self.batches.next())
                     pending.append((step, m))
@@ -200,12 +230,14 @@ class Trainer:
                     if step % cfg.checkpoint.every == 0 or step == tc.steps:
                         self.save(step)
                         saved = step
-                    if step % tc.log_every == 0 or step == tc.steps:
+                    logged = step % tc.log_every == 0 or step == tc.steps
+                    if logged:
                         log_pending()
-                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stop.requested:
+                    stopping = should_stop(logged)
+                    if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stopping:
                         evaluate(step)
                         throughput.restart()
-                if stop.requested:  # log and save the steps taken since the last log and checkpoint
+                if stopping:  # log and save the steps taken since the last log and checkpoint
                     if pending:
                         log_pending()
                     if step > start and saved != step:
@@ -214,9 +246,11 @@ class Trainer:
                 self.checkpoints.wait()  # committed while a signal still only asks to stop
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
                            skipped_records=self.batches.skips.summary(), end_step=step)
-            if stop.requested and step < tc.steps:
+            if stopping and step < tc.steps:
                 checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
-                summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
+                signum = stop.requested or signal.SIGTERM   # none here: another process of the group got it
+                summary.update(interrupted=stop.name or "a signal to another process", exit_status=exit_status(signum),
+                               checkpoint=checkpoint)
         finally:
             progress.close()
             writer.close()

@@ -73,10 +73,14 @@ class MetricsWriter:
     N by the run that was stopped (and any duplicates) are dropped before anything is written, so both
     hold each step once. metrics.jsonl is the record of truth: it is rewritten with the kept lines, and
     the TensorBoard files are rebuilt from them (each scalar at its original wall time). A fresh start
-    passes -1 and keeps nothing. `dropped`: how many records were dropped.
+    passes -1 and keeps nothing. `dropped`: how many records were dropped. Without a `run_dir` (the
+    processes other than 0 of a group) it writes nothing.
     """
 
-    def __init__(self, run_dir: str | Path, keep_through: int = -1, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path | None, keep_through: int = -1, tensorboard: bool = True):
+        self.dropped, self._jsonl, self._tb = 0, None, None
+        if run_dir is None:
+            return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
@@ -88,7 +92,6 @@ class MetricsWriter:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
             tmp.replace(path)
         self._jsonl = open(path, "a", buffering=1)
-        self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -107,6 +110,8 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         """record: {"step": int, name: float, ...}; stamped with the wall time (`time`, Unix seconds);
         non-finite floats are written as null in JSON."""
+        if self._jsonl is None:
+            return
         record = {**record, "time": time.time()}
         clean = {k: (v if not (isinstance(v, float) and not math.isfinite(v)) else None) for k, v in record.items()}
         self._jsonl.write(json.dumps(clean) + "\n")
@@ -114,7 +119,8 @@ class MetricsWriter:
             self._scalars(record)
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -130,10 +136,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 class Progress:
     """A tqdm bar over steps showing loss, tokens/s, estimated MFU and (tqdm's) ETA; `status` labels the
     bar while nothing moves (e.g. "compiling" before the first step). Disabled: `write` prints.
-    `note` writes a line for the user on stderr (where the bar is)."""
+    `note` writes a line for the user on stderr (where the bar is). Muted (the processes other than 0
+    of a group): nothing at all."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, file=None):
-        self._bar = None
+    def __init__(self, total: int, initial: int, enabled: bool, file=None, muted: bool = False):
+        self._bar, self._muted = None, muted
+        enabled = enabled and not muted
         if enabled:
             from tqdm import tqdm
 
@@ -156,6 +164,8 @@ class Progress:
 
     def write(self, text: str, file=None) -> None:
         """A line above the bar, on `file` (default stdout)."""
+        if self._muted:
+            return
         if self._bar is not None:
             self._bar.write(text, file=file)
         else:

@@ -49,9 +49,11 @@ def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, dis
                                mb["loss_mask"], chunk=cfg.train.loss_chunk, distill=distill)
     mtp_stats = out.mtp_stats or {}
     loads = {"moe_layers": out.expert_load}
+    dropped = jnp.sum(out.dropped).astype(jnp.float32)
     if "expert_load" in mtp_stats:
         loads["mtp"] = mtp_stats["expert_load"]
-    return sums, loads
+        dropped += jnp.sum(mtp_stats["dropped"]).astype(jnp.float32)
+    return sums, loads, dropped
 
 
 def gather_batch(batch: Batch) -> Batch:
@@ -75,9 +77,9 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
     depths = mcfg.mtp.num_layers
 
     def loss_fn(params, biases, mb, n_main, n_mtp):
-        sums, loads = _forward_sums(cfg, graphdef, rest, params, biases, mb, tcfg.mtp_distill_weight > 0)
+        sums, loads, dropped = _forward_sums(cfg, graphdef, rest, params, biases, mb, tcfg.mtp_distill_weight > 0)
         loss = losses.combine(sums, n_main, n_mtp, mcfg.mtp.loss_weight, tcfg.mtp_distill_weight)
-        return loss, (sums, loads)
+        return loss, (sums, loads, dropped)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -85,7 +87,7 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         batch = gather_batch(batch)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
 
-        ((loss, (sums, loads)), grads) = accumulate(
+        ((loss, (sums, loads, dropped)), grads) = accumulate(
             lambda mb: grad_fn(state.params, state.biases, mb, n_main, n_mtp), batch)
 
         new = apply_gradients(opt, state.params, state.opt_state, grads, loss, cfg.optimizer.max_grad_norm)
@@ -105,6 +107,9 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         }
         if main_load.shape[0]:
             metrics["expert_load_max_over_mean"] = jnp.mean(main_load.max(-1) / jnp.maximum(main_load.mean(-1), 1e-9))
+            # Expert assignments dropped by the dispatch's capacity (moe.capacity_factor), of all made.
+            assigned = sum(jnp.sum(load) for load in loads.values())
+            metrics["moe_dropped_fraction"] = dropped / jnp.maximum(assigned, 1.0)
         for k in range(depths):
             metrics[f"mtp{k + 1}_ce"] = sums.mtp_ce[k] / jnp.maximum(n_mtp[k], 1.0)
             metrics[f"mtp{k + 1}_kl"] = sums.mtp_kl[k] / jnp.maximum(n_mtp[k], 1.0)
@@ -119,7 +124,7 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
 
     def eval_step(state: TrainState, batch: Batch) -> dict:
         batch = gather_batch(batch)
-        sums, _ = _forward_sums(cfg, graphdef, rest, state.params, state.biases, batch, distill=False)
+        sums, _, _ = _forward_sums(cfg, graphdef, rest, state.params, state.biases, batch, distill=False)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
         out = {"ce": sums.ce, "targets": n_main}
         for k in range(depths):

@@ -1,0 +1,132 @@
+"""Decoding plain vs MTP-speculative, side by side: the same prompts through both engines in
+alternating repetitions (greedy and sampled); decode tokens/s is the median over repetitions of tokens
+emitted / time in decode calls (compilation excluded: every engine is warmed up first), the speedup the
+median of the paired per-repetition ratios. Greedy speculative output must equal plain greedy output
+(`same_tokens`). Also prefill throughput and the latent cache's bytes per token."""
+
+from __future__ import annotations
+
+import statistics
+import sysconfig
+from pathlib import Path
+
+STDLIB_FILES = ("json/decoder.py", "textwrap.py", "heapq.py", "bisect.py", "fnmatch.py", "shlex.py", "glob.py",
+                "colorsys.py", "copy.py", "keyword.py", "queue.py", "sched.py", "this.py", "tty.py", "uu.py",
+                "wave.py")
+
+
+def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens: the start of a function or class in standard-library files."""
+    out, root = [], Path(sysconfig.get_paths()["stdlib"])
+    for name in STDLIB_FILES:
+        path = root / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        start = max(text.find("\ndef "), 0)
+        ids = [int(i) for i in tokenizer.encode(text[start:start + 4 * length])][:length]
+        if len(ids) == length:
+            out.append(ids)
+        if len(out) == count:
+            return out
+    raise FileNotFoundError(f"found only {len(out)} of {count} prompt files under {root}")
+
+
+def decode_run(engine, batch, new_tokens: int, sampling, warmup: bool = False) -> tuple[dict, list[list[int]]]:
+    """One repetition: the batch through the engine; (throughput figures, generated tokens)."""
+    engine.stats.clear()
+    ids = [engine.submit(p, max_new_tokens=new_tokens, sampling=sampling(i)) for i, p in enumerate(batch)]
+    done = engine.run()
+    s = engine.stats
+    if s["compile_s"] and not warmup:
+        raise RuntimeError("a measured repetition compiled a program")
+    figures = {"decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
+               "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"],
+               "drafted": s["drafted"], "accepted": s["accepted"]}
+    return figures, [done[i].tokens for i in ids]
+
+
+def compare(model, batch, new_tokens: int, sampling, reps: int, **engine_args) -> dict:
+    from composer_jax.infer import Engine
+
+    engines = {mode: Engine(model, speculative=mode == "speculative", **engine_args)
+               for mode in ("plain", "speculative")}
+    outputs = {}
+    for mode, engine in engines.items():  # warm-up: compile every program used
+        outputs[mode] = decode_run(engine, batch, new_tokens, sampling, warmup=True)[1]
+    runs = {mode: [] for mode in engines}
+    for _ in range(reps):
+        for mode, engine in engines.items():
+            runs[mode].append(decode_run(engine, batch, new_tokens, sampling)[0])
+    median = lambda mode, key: statistics.median(r[key] for r in runs[mode])  # noqa: E731
+    drafted = sum(r["drafted"] for r in runs["speculative"])
+    accepted = sum(r["accepted"] for r in runs["speculative"])
+    plain, spec = median("plain", "decode_tokens_per_s"), median("speculative", "decode_tokens_per_s")
+    # Repetitions alternate between the engines: the median of the paired ratios cancels slow drifts in
+    # the machine's load.
+    speedup = statistics.median(s["decode_tokens_per_s"] / p["decode_tokens_per_s"]
+                                for p, s in zip(runs["plain"], runs["speculative"]))
+    accepted_length = (drafted + accepted) / drafted
+    return {"plain_tokens_per_s": round(plain, 1), "speculative_tokens_per_s": round(spec, 1),
+            "speedup": round(speedup, 3), "acceptance_rate": round(accepted / drafted, 4),
+            "mean_accepted_length": round(accepted_length, 4),
+            # time of one speculative step (verify 2 positions + the MTP layer + sampling) / a plain step
+            "step_cost_ratio": round(accepted_length / speedup, 3),
+            "same_tokens": outputs["plain"] == outputs["speculative"],  # expected for greedy only
+            "plain_runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in runs["plain"]],
+            "speculative_runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in runs["speculative"]]}
+
+
+def prefill_figures(model, tokenizer, batch: int, length: int, chunk: int, reps: int) -> dict:
+    """Prompt throughput: `batch` prompts of `length` tokens prefilled in chunks of `chunk` (one new
+    token each), median over repetitions."""
+    from composer_jax.infer import Engine, SamplingParams
+
+    engine = Engine(model, max_slots=batch, max_len=length + 1, chunk_sizes=(chunk,))
+    batch_prompts = prompts(tokenizer, batch, length)
+    rates = []
+    for rep in range(reps + 1):
+        figures, _ = decode_run(engine, batch_prompts, 1, lambda i: SamplingParams(temperature=0.0), warmup=rep == 0)
+        if rep:
+            rates.append(figures["prefill_tokens_per_s"])
+    return {"prefill_tokens_per_s": round(statistics.median(rates), 1), "batch": batch, "prompt_len": length,
+            "chunk": chunk}
+
+
+def cache_figures(cfg) -> dict:
+    from composer_jax.infer.cache import latent_bytes_per_token, per_head_kv_bytes_per_token
+
+    latent, kv = latent_bytes_per_token(cfg), per_head_kv_bytes_per_token(cfg)
+    return {"latent_bytes_per_token": latent, "per_head_kv_bytes_per_token": kv, "ratio": round(kv / latent, 2),
+            "dtype": cfg.dtype, "layers": cfg.num_layers,
+            "latent_values_per_layer": cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim}
+
+
+
+
+def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, reps: int) -> dict:
+    """Plain vs speculative greedy decoding of one request: the trained model of `run_dir` on standard
+    library prompts when it holds a checkpoint, else the tiny config randomly initialised on random
+    prompts (speeds are real; the acceptance rate of an untrained MTP head is not representative)."""
+    import numpy as np
+    from flax import nnx
+
+    from composer_jax import CausalLM, load_config
+    from composer_jax.infer import SamplingParams
+
+    checkpoints = run_dir / "checkpoints" if run_dir is not None else None
+    if checkpoints is not None and checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+        from composer_jax.model_dirs import open_model
+
+        opened = open_model(run_dir, [])
+        model, description = opened.model, opened.description
+        batch = prompts(opened.tokenizer, 1, prompt_len)
+    else:
+        positions = max(64, prompt_len + new_tokens + 1)
+        model = CausalLM(load_config("tiny", [f"rope.max_position_embeddings={positions}"]), rngs=nnx.Rngs(0))
+        description = f"tiny, random init (no trained run{f' in {run_dir}' if run_dir else ''})"
+        batch = [np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len).tolist()]
+    max_len = min(model.cfg.rope.max_position_embeddings, prompt_len + new_tokens + 1)
+    greedy = compare(model, batch, max_len - prompt_len - 1, lambda i: SamplingParams(temperature=0.0), reps,
+                     max_slots=1, max_len=max_len, steps_per_call=max_len - prompt_len - 1, chunk_sizes=(prompt_len,))
+    return {"model": description, "prompt_len": prompt_len, "new_tokens": max_len - prompt_len - 1, "greedy": greedy}

@@ -1,0 +1,291 @@
+"""Per-device activation memory of one forward + backward: what each layer keeps for its backward
+(`saved`, stacked over the scanned layers) and what one layer's backward needs while it runs
+(`working`), by named tensor, for every attention implementation, rematerialisation policy and MoE
+dispatch backend.
+
+The tensors are those of the model code (composer_jax/model/), at per-device shapes: `rows` sequences
+of `queries` local positions (the sequence over `cp`) attending to `keys` positions (the whole
+sequence, gathered under context parallelism, plus any prefix). What a layer keeps is what JAX's
+autodiff saves for it (checked with `jax.ad_checkpoint.print_saved_residuals` and against compiled
+programs, tests/test_plan.py):
+- an RMSNorm keeps its input in float32, its normalised value and its output (8 bytes a value in
+  bfloat16 and in float32, plus 4 when a float32 input is not kept anyway);
+- a SwiGLU keeps both projections, three silu intermediates and their product (6 values a unit);
+- the reference attention keeps the masked float32 scores and the probabilities (compute dtype), plus
+  the per-head keys and values;
+  the memory-efficient implementations (`blockwise`, `cudnn`) keep the output and one float32
+  log-sum-exp a query and head (flash attention's residuals) and work on blocks; `auto` is one of
+  the three, as `attention_ops.choose` would pick it on the planned platform (`planned_attention`);
+- an FSDP-sharded weight is all-gathered for use and the gathered copy is kept for the backward.
+Rematerialisation per layer (`train.remat`): `none` keeps all of that; `dots` keeps the outputs of the
+projections (matmuls without batch dimensions: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
+and recomputes the rest; `full` keeps each layer's input only and recomputes the layer in its backward.
+
+Backend-specific working memory: `jax.lax.ragged_dot` lowers on XLA (CPU, and GPU without a grouped
+kernel) to a dense dot over a group-masked copy of its input, [experts, rows, width]
+(`grouped_matmul="expanded"`); a grouped kernel (tokamax, Megablox, cuDNN) needs none
+(`grouped_matmul="kernel"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.model.attention_ops import IMPLEMENTATIONS, REFERENCE_MAX_KEYS
+from composer_jax.model.blockwise import K_BLOCK, Q_BLOCK
+from composer_jax.model.expert_parallel import dispatch_rows
+
+F32 = 4
+PLATFORMS = ("gpu", "cpu")
+REMAT_POLICIES = ("none", "dots", "full")
+GROUPED_MATMULS = ("expanded", "kernel")
+
+
+def planned_attention(cfg: ModelConfig, name: str, platform: str, keys: int, cp: int, prefix: bool = False) -> str:
+    """The implementation `model.attention=name` runs as on `platform` (`attention_ops.choose`'s rules
+    without a device): on a GPU, 'auto' is cuDNN where it applies (16-bit activations, head dims
+    multiples of 8 up to 256, no latent prefix, no context parallelism), else blockwise; on CPU the
+    dense reference up to REFERENCE_MAX_KEYS keys, blockwise beyond."""
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError("model.attention", f"unknown attention {name!r}; expected one of {', '.join(IMPLEMENTATIONS)}")
+    if platform not in PLATFORMS:
+        raise ConfigError("--platform", f"unknown platform {platform!r}; expected one of {', '.join(PLATFORMS)}")
+    if name != "auto":
+        return name
+    if platform == "cpu":
+        return "reference" if keys <= REFERENCE_MAX_KEYS else "blockwise"
+    mla = cfg.mla
+    dk, dv = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    heads_ok = max(dk, dv) <= 256 and dk % 8 == 0 and dv % 8 == 0
+    cudnn = cfg.dtype == "bfloat16" and heads_ok and not prefix and cp == 1
+    return "cudnn" if cudnn else "blockwise"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Per-device sizes of one micro-batch on a layout."""
+
+    rows: int            # sequences per device
+    queries: int         # local positions per sequence (seq / cp)
+    keys: int            # positions attended to (seq, plus a prefix)
+    ep: int              # expert-parallel ranks
+    fsdp: int            # dense-weight FSDP shards
+    efsdp: int           # expert-weight FSDP shards
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.queries
+
+
+def _norm(tokens: int, dim: int, dt: int, input_kept: bool) -> int:
+    """RMSNorm residuals: its float32 input (unless that is the input itself, kept anyway), the
+    normalised value and the output, both in the compute dtype."""
+    f32_input = F32 if dt != F32 or not input_kept else 0
+    return tokens * dim * (f32_input + 2 * dt)
+
+
+def _swiglu(tokens: int, width: int, dt: int) -> int:
+    return 6 * tokens * width * dt
+
+
+def _dims(cfg: ModelConfig):
+    mla = cfg.mla
+    return mla.num_heads, mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+
+
+def dense_weight_bytes(cfg: ModelConfig, moe: bool, dt: int) -> int:
+    """A layer's dense (non-routed) matrices in the compute dtype: what FSDP gathers per layer."""
+    d = cfg.hidden_size
+    h, rq, rkv, nope, rope, dv = _dims(cfg)
+    attn = d * rq + rq * h * (nope + rope) + d * (rkv + rope) + rkv * h * (nope + dv) + h * dv * d
+    if moe:
+        ffn = 3 * d * cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts + d * cfg.moe.n_routed_experts
+    else:
+        ffn = 3 * d * cfg.intermediate_size
+    return (attn + ffn) * dt
+
+
+def attention_saved(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> dict[str, int]:
+    """What one MLA block keeps for its backward (no rematerialisation)."""
+    d, t = cfg.hidden_size, s.tokens
+    h, rq, rkv, nope, rope, dv = _dims(cfg)
+    out = {
+        "layer input": t * d * dt,
+        "input norm": _norm(t, d, dt, input_kept=True),
+        "q projections": _norm(t, rq, dt, input_kept=False) + t * h * (nope + rope) * dt,
+        "kv latent": _norm(t, rkv, dt, input_kept=False) + t * rope * dt + 2 * 2 * t * rope // 2 * F32,
+        "keys and values": s.rows * s.keys * h * (nope + dv) * dt,
+        "attention output": t * h * dv * dt,
+        "post-attention norm": t * d * dt + _norm(t, d, dt, input_kept=True),
+    }
+    if impl == "reference":
+        scores = s.rows * h * s.queries * s.keys
+        out["scores"] = scores * (F32 + dt)    # masked float32 scores and the probabilities
+    else:  # flash residuals: the output (above) and a float32 log-sum-exp per query and head
+        out["log-sum-exp"] = t * h * F32
+    return out
+
+
+def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> int:
+    """Transient bytes of one MLA block's backward: the layer's kept scores read out of their stack and
+    two score-sized gradients (reference), or three float32 blocks (memory-efficient: the recomputed
+    probabilities, their gradient and the scores' gradient; the scores fuse into the first), plus the
+    gradients of the keys and values."""
+    h, _, _, nope, _, dv = _dims(cfg)
+    if impl == "reference":
+        scores = s.rows * h * s.queries * s.keys * (3 * F32 + dt)
+    else:
+        scores = 3 * s.rows * h * min(Q_BLOCK, s.queries) * min(K_BLOCK, s.keys) * F32
+    return scores + s.rows * s.keys * h * (nope + dv) * dt
+
+
+def ffn_saved(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, dt: int) -> dict[str, int]:
+    """What one FFN block (dense SwiGLU, or MoE: router, shared expert, routed experts through the
+    dispatch backend `kind`) keeps for its backward (no rematerialisation)."""
+    d, t = cfg.hidden_size, s.tokens
+    if not moe:
+        return {"mlp": _swiglu(t, cfg.intermediate_size, dt)}
+    m = cfg.moe
+    e, k, f = m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    out = {"router": t * d * dt + 2 * t * e * F32 + t * k * (F32 + 4),
+           "shared expert": _swiglu(t, f * m.n_shared_experts, dt)}
+    if kind == "dense":   # every expert on every token
+        out["experts (dense dispatch)"] = _swiglu(e * t, f, dt) + e * t * d * dt + t * k * e * F32 + t * e * F32
+        out["gathered experts"] = 3 * e * d * f * dt
+    elif kind == "ragged":
+        rows = t * k
+        out["experts (ragged)"] = rows * d * dt + _swiglu(rows, f, dt) + rows * d * F32
+        out["gathered experts"] = 3 * e * d * f * dt
+    else:
+        rows = dispatch_rows(kind, t, k, e // s.ep, s.ep, factor)["receive"]
+        # received rows, the SwiGLU over them, the empty-slot masks of their outputs (bool)
+        out["experts (received rows)"] = rows * d * dt + _swiglu(rows, f, dt) + 2 * rows * d
+        out["combine"] = t * k * d * F32
+        if s.efsdp > 1:
+            out["gathered experts"] = 3 * (e // s.ep) * d * f * dt
+    return out
+
+
+def ffn_working(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, dt: int,
+                grouped_matmul: str) -> int:
+    """Transient bytes of one FFN block's backward: the exchange buffers of an expert-parallel dispatch
+    (in flight both ways) and, with the expanded grouped matmul, its masked [experts, rows, width]
+    copies (three embed-wide and one expert-wide at once in the backward)."""
+    d, t = cfg.hidden_size, s.tokens
+    if not moe:
+        return 2 * t * cfg.intermediate_size * dt
+    m = cfg.moe
+    e, k, f = m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    if kind == "dense":
+        return 2 * e * t * max(d, f) * dt
+    if kind == "ragged":
+        rows, experts, buffers = t * k, e, 0
+    else:
+        sizes = dispatch_rows(kind, t, k, e // s.ep, s.ep, factor)
+        rows, experts = sizes["receive"], e // s.ep
+        buffers = 2 * (sizes["send"] + sizes["receive"]) * d * dt
+    expanded = experts * rows * (3 * max(d, f) + min(d, f)) * dt if grouped_matmul == "expanded" else 0
+    return buffers + expanded + 2 * rows * max(d, f) * dt
+
+
+def remat_saved(saved: dict[str, int], remat: str, cfg: ModelConfig, s: Shapes, moe: bool, dt: int) -> dict[str, int]:
+    """A layer's kept tensors under a rematerialisation policy (module docstring)."""
+    if remat == "none":
+        return saved
+    d, t = cfg.hidden_size, s.tokens
+    if remat == "full":
+        return {"layer input": t * d * dt}
+    h, rq, rkv, nope, rope, dv = _dims(cfg)
+    dots = {"layer input": t * d * dt,
+            "projection outputs": t * (rq + h * (nope + rope) + rkv + rope + d) * dt
+            + s.rows * s.keys * h * (nope + dv) * dt}
+    if moe:
+        m = cfg.moe
+        dots["FFN projections"] = t * (m.n_routed_experts * F32 + 3 * m.moe_intermediate_size * m.n_shared_experts) * dt
+    else:
+        dots["FFN projections"] = t * (2 * cfg.intermediate_size + d) * dt
+    return dots
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemory:
+    saved: dict[str, int]     # kept from the forward until this layer's backward
+    working: int              # transient, while this layer's backward runs
+
+    @property
+    def saved_total(self) -> int:
+        return sum(self.saved.values())
+
+
+def layer_memory(cfg: ModelConfig, s: Shapes, moe: bool, *, attention: str, remat: str, factor: float,
+                 grouped_matmul: str) -> LayerMemory:
+    """One decoder layer's kept and working bytes per device."""
+    dt = 4 if cfg.dtype == "float32" else 2
+    full = {**attention_saved(cfg, s, attention, dt), **ffn_saved(cfg, s, moe, cfg.moe.dispatch, factor, dt)}
+    weights = dense_weight_bytes(cfg, moe, dt)
+    if s.fsdp > 1 or cfg.param_dtype != cfg.dtype:   # the gathered (or cast) copy is a new array
+        full["gathered weights"] = weights
+    saved = remat_saved(full, remat, cfg, s, moe, dt)
+    # XLA schedules the attention's and the FFN's backward temporaries to overlap: both count.
+    working = (attention_working(cfg, s, attention, dt) + ffn_working(cfg, s, moe, cfg.moe.dispatch, factor, dt,
+                                                                        grouped_matmul)
+               + weights + full.get("gathered experts", 0) + 2 * s.tokens * cfg.hidden_size * F32)
+    if remat != "none":   # the backward first rebuilds what the policy dropped
+        working += sum(full.values()) - sum(saved.values())
+    return LayerMemory(saved, working)
+
+
+def embedding_working(cfg: ModelConfig, s: Shapes) -> int:
+    """The input embedding: its table gathered whole (FSDP) for the lookup and the gradient the
+    backward scatters into a table-sized buffer."""
+    dt = 4 if cfg.dtype == "float32" else 2
+    return cfg.vocab_size * cfg.hidden_size * dt * (2 if s.fsdp > 1 else 1)
+
+
+def loss_working(cfg: ModelConfig, s: Shapes, chunk: int, seq: int, distill: bool = False) -> int:
+    """The chunked cross-entropy (train/losses.py): float32 [rows, chunk, vocab] blocks of one chunk
+    (logits, log-probabilities and their gradient; with the MTP self-distillation also the teacher's
+    logits, log-probabilities, probabilities and the KL), the whole head in the compute dtype and its
+    float32 gradient with the copy its reduction writes."""
+    dt = 4 if cfg.dtype == "float32" else 2
+    block = s.rows * min(chunk, seq) * cfg.vocab_size * F32
+    return (3 + 4 * distill) * block + cfg.hidden_size * cfg.vocab_size * (dt + 2 * F32)
+
+
+def global_saved(cfg: ModelConfig, s: Shapes, attention: str) -> dict[str, int]:
+    """Tensors of the whole forward kept once (not per layer): the attention mask (the reference
+    materialises it, and its per-head broadcast), rotary tables, the final hidden states."""
+    dt = 4 if cfg.dtype == "float32" else 2
+    out = {"rotary tables": 2 * s.tokens * cfg.mla.qk_rope_head_dim // 2 * F32,
+           "final hidden": 3 * s.rows * s.queries * cfg.hidden_size * dt}
+    if attention == "reference":
+        out["mask"] = s.rows * s.queries * s.keys * (1 + cfg.mla.num_heads)
+    return out
+
+
+def num_layers(cfg: ModelConfig) -> tuple[int, int]:
+    """(dense layers, MoE layers) of the main model plus its MTP depths (of the last kind)."""
+    mtp_moe = cfg.mtp.num_layers if cfg.num_moe_layers else 0
+    return cfg.num_dense_layers + (cfg.mtp.num_layers - mtp_moe), cfg.num_moe_layers + mtp_moe
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dispatch_bytes(cfg: ModelConfig, s: Shapes) -> int:
+    """Exchange buffers (send + receive) of one MoE layer's expert-parallel dispatch per device."""
+    if not cfg.num_moe_layers or not cfg.moe.dispatch.startswith("ep_"):
+        return 0
+    m = cfg.moe
+    rows = dispatch_rows(m.dispatch, s.tokens, m.num_experts_per_tok, m.n_routed_experts // s.ep, s.ep,
+                         m.capacity_factor)
+    return sum(rows.values()) * cfg.hidden_size * (4 if cfg.dtype == "float32" else 2)
+
+
+def tokens_per_device(batch: int, seq: int, sizes: dict[str, int]) -> Shapes:
+    data = sizes["replica"] * sizes["fsdp"]
+    return Shapes(rows=ceil_div(batch, data), queries=seq // sizes["cp"], keys=seq, ep=sizes["ep"],
+                  fsdp=sizes["fsdp"], efsdp=sizes["efsdp"])
+

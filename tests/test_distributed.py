@@ -1,0 +1,235 @@
+"""Process groups (parallel/distributed.py): where a group comes from (SLURM, Kubernetes, flags), two
+local processes x 4 CPU devices (gloo collectives) against one process with 8 devices, checkpoints
+across process counts, and a dead or failed peer ending the others with one line, not a hang."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from composer_jax.parallel.distributed import (EXIT_PEER_LOST, DistributedError, ProcessGroup, find_group,
+                                               first_slurm_host)
+from tests.multiprocess_steps import restore_params, run_steps
+from tests.test_train import write_code_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 900   # a bound, not an expectation: compiling on 2 busy cores is slow
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node001", "node001"), ("node001,host2", "node001"), ("node[001-015],host2", "node001"),
+    ("gpu[007,009-012]-ib,cpu1", "gpu007-ib"), ("a[3]", "a3"), (" x-1 ", "x-1")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_group_from_slurm():
+    env = {"SLURM_JOB_ID": "4097", "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "n[10-13]",
+           "SLURM_STEP_NODELIST": "n[11-13,20]"}
+    assert find_group(env) == ProcessGroup("n11:61441", 4, 2, "SLURM")   # step nodes first; port 61440 + 4097 % 4096
+    assert find_group(env, coordinator_port=999) == ProcessGroup("n11:999", 4, 2, "SLURM")
+    assert find_group(env, coordinator="head:1") == ProcessGroup("head:1", 4, 2, "SLURM")
+    assert find_group({**env, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None   # one task: no group
+
+
+def test_group_from_kubernetes_jobset():
+    env = {"JOB_COMPLETION_INDEX": "3", "COMPOSER_JAX_NUM_PROCESSES": "8", "JOBSET_NAME": "train",
+           "REPLICATED_JOB_NAME": "workers"}
+    assert find_group(env) == ProcessGroup("train-workers-0-0.train:12355", 8, 3, "Kubernetes")
+    plain = {"JOB_COMPLETION_INDEX": "0", "COMPOSER_JAX_NUM_PROCESSES": "2", "COMPOSER_JAX_COORDINATOR": "svc-0.svc:7"}
+    assert find_group(plain) == ProcessGroup("svc-0.svc:7", 2, 0, "Kubernetes")
+
+
+def test_group_from_flags_and_single_process():
+    assert find_group({}) is None
+    assert find_group({}, coordinator="h:5", num_processes=2, process_id=1) == ProcessGroup("h:5", 2, 1, "flags")
+    assert find_group({}, coordinator="h", num_processes=2, process_id=0).coordinator == "h:12355"
+    assert find_group({}, coordinator="[::1]:9", num_processes=2, process_id=0).coordinator == "[::1]:9"
+
+
+@pytest.mark.parametrize("env, flags, message", [
+    ({"JOB_COMPLETION_INDEX": "1"}, {}, "needs the process count: set COMPOSER_JAX_NUM_PROCESSES"),
+    ({"JOB_COMPLETION_INDEX": "1", "COMPOSER_JAX_NUM_PROCESSES": "2"}, {}, "no coordinator: pass --coordinator"),
+    ({}, {"coordinator": "h:1", "num_processes": 2}, "no process id: pass --process-id"),
+    ({}, {"coordinator": "h:1", "num_processes": 2, "process_id": 2}, "--process-id must be in [0, 2), got 2"),
+    ({}, {"coordinator": "h:1:x", "num_processes": 2, "process_id": 0}, "--coordinator must be HOST:PORT"),
+    ({}, {"coordinator": "h:1"}, "without --num-processes > 1"),
+    ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "two"}, {}, "SLURM_NTASKS must be an integer, got 'two'"),
+])
+def test_group_errors_name_the_culprit(env, flags, message):
+    with pytest.raises(DistributedError) as e:
+        find_group(env, **flags)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_FLAGS", "PJRT_NPROC", "NPROC"))}
+    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+
+
+def _launch(argv_of, n: int = 2) -> list[subprocess.Popen]:
+    """Start `n` processes: argv_of(process_id) -> argv; stdout and stderr captured."""
+    return [subprocess.Popen(argv_of(i), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for i in range(n)]
+
+
+def _finish(procs, timeout: float) -> list[tuple[int, str]]:
+    """(exit status, stderr without gloo's connection chatter) of each process; all are ended by the deadline."""
+    deadline, out = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"process {procs.index(p)} did not end within {timeout} s")
+        out.append((p.returncode, "\n".join(line for line in err.splitlines() if "[Gloo]" not in line)))
+    return out
+
+
+def _worst_relative(ours: dict, ref: dict, prefix: str) -> tuple[float, str]:
+    keys = [k for k in ref if k.startswith(prefix)]
+    assert keys and all(k in ours for k in keys), prefix
+    def relative(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+    return max((relative(ours[k], ref[k]), k) for k in keys)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_and_share_checkpoints(tmp_path):
+    """2 processes x 4 devices (replica=2 across them, fsdp=4 within; ep=8 across both with the
+    all-to-all dispatch) take a pretraining step and an RL step equal to 1 process x 8 devices; the
+    checkpoint each saved restores in the other process count, value for value."""
+    single = run_steps(tmp_path, None)      # here: 8 fake devices (tests/conftest.py); saves ckpt_1proc
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "tests.multiprocess_steps", str(i), "2", str(port),
+                               str(tmp_path)])
+    for i, (status, err) in enumerate(_finish(procs, LAUNCH_TIMEOUT_S)):
+        assert status == 0, f"process {i}:\n{err[-3000:]}"
+    group = dict(np.load(tmp_path / "results_2proc.npz"))
+    for name in ("pretrain/metrics", "pretrain/mu", "rl/metrics", "rl/mu", "saved"):
+        rel, key = _worst_relative(group, single, name)
+        print(f"{name}: worst relative difference {rel:.1e} ({key})")
+        assert rel <= 1e-5, (key, rel)
+    # Saved by 1 process, restored by 2; saved by 2, restored by 1: the very same values.
+    restored_by_one = restore_params(tmp_path, tmp_path / "ckpt_2proc")
+    for key, value in restored_by_one.items():
+        saved = key.replace("restored/", "saved/", 1)
+        np.testing.assert_array_equal(group[key], single[saved], err_msg=key)
+        np.testing.assert_array_equal(value, group[saved], err_msg=key)
+
+
+def _pretrain_argv(tmp_path: Path, port: int, peer_timeout: float, extra=()):
+    overrides = ["train.steps=100000", "train.batch_size=8", "train.seq_len=32", "train.log_every=1",
+                 "train.progress=false", "data.eval_fraction=0", "checkpoint.every=100000", "mesh.replica=2",
+                 "mesh.fsdp=4", "train.cpu_devices=4", "model.num_layers=2", "model.mtp.num_layers=0",
+                 f"data.path={write_code_tree(tmp_path / 'code')}", f"run_dir={tmp_path / 'run'}", *extra]
+    return lambda i: [sys.executable, "-m", "composer_jax.cli", "pretrain", *overrides, "--coordinator",
+                      f"localhost:{port}", "--num-processes", "2", "--process-id", str(i), "--peer-timeout",
+                      str(peer_timeout)]
+
+
+def _logged_steps(metrics: Path) -> list[int]:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return [json.loads(line)["step"] for line in lines[:-1]]  # the last line may still be being written
+
+
+def _await_steps(procs, metrics: Path, last_step: int) -> None:
+    """Wait until the group has logged `last_step` (or fail if a process ended first)."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not any(s >= last_step for s in _logged_steps(metrics)):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"the group never logged step {last_step}:\n" + procs[0].communicate()[1][-3000:])
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_group_stops_together_resumes_and_outlives_a_dead_peer(tmp_path):
+    """`composer-jax pretrain` as 2 processes. SIGTERM to process 1 alone stops both after the same step,
+    with one checkpoint of it, exit status 143 each; relaunched, the group resumes from it; then process 1
+    is killed (SIGKILL) and process 0, in the step's collectives (which may hang or fail), exits with one
+    line naming process 1 within the peer timeout (JAX's own heartbeat would abort later, with a C++
+    stack trace). Only process 0 wrote the run's config and metrics, each step once."""
+    peer_timeout, run = 20, tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))
+    _await_steps(procs, metrics, 2)
+    procs[1].send_signal(signal.SIGTERM)
+    (status0, err0), (status1, err1) = _finish(procs, LAUNCH_TIMEOUT_S)
+    assert status0 == status1 == 143, (err0[-2000:], err1[-2000:])
+    last = err0.strip().splitlines()[-1]
+    stopped = re.match(r"pretrain: interrupted by a signal to another process at step (\d+); checkpoint (\S+) saved", last)
+    assert stopped, last
+    step = int(stopped[1])
+    assert Path(stopped[2]) == run / "checkpoints" / str(step)
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [step]
+    assert (run / "config.yaml").is_file() and (run / "skipped_records.process1.log").is_file()
+
+    procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))   # resumes from `step`
+    _await_steps(procs, metrics, step + 2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    (status, err), _ = _finish(procs, peer_timeout + 120)
+    elapsed = time.monotonic() - killed_at
+    last = err.strip().splitlines()[-1]
+    assert status == EXIT_PEER_LOST, err[-3000:]
+    assert last.startswith("composer-jax pretrain: error: process 1 of 2 stopped responding (no heartbeat for "), last
+    assert elapsed < peer_timeout + 30, elapsed   # before JAX's backstop (+30 s)
+    logged = _logged_steps(metrics)
+    assert logged == list(range(1, len(logged) + 1))   # each step once (process 0 only), cut back on resume
+
+
+def test_failed_peer_ends_the_other_with_its_reason(tmp_path):
+    """Process 1 fails to start (its data path does not exist); it says why and exits at once, and process
+    0, waiting for it, exits with process 1's reason instead of waiting out a timeout."""
+    argv = _pretrain_argv(tmp_path, _free_port(), 600)
+    procs = _launch(lambda i: argv(i) + (["data.path=/no/such/dir"] if i == 1 else []))
+    (status0, err0), (status1, err1) = _finish(procs, LAUNCH_TIMEOUT_S)
+    assert status1 == 2 and err1.strip().splitlines()[-1] == \
+        "composer-jax pretrain: error: data path /no/such/dir does not exist", err1[-3000:]
+    assert status0 == EXIT_PEER_LOST, err0[-3000:]
+    assert err0.strip().splitlines()[-1] == ("composer-jax pretrain: error: process 1 of 2 failed: DataError: data "
+                                             "path /no/such/dir does not exist"), err0[-3000:]
+
+
+def test_coordinator_death_ends_the_others_at_once(tmp_path):
+    """Process 0 (the coordination service) dies: JAX itself ends the others at once (its own fatal
+    message and stack trace: its client offers Python no usable hook, README), long before any peer
+    timeout, instead of leaving them hanging in the collective."""
+    peer_timeout = 300   # neither the watchdog nor JAX's heartbeat (+30 s) can be what ends process 1
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "tests.collective_loop", str(i), str(port), str(peer_timeout),
+                               "0"])
+    started = time.monotonic()
+    (status0, _), (status1, err1) = _finish(procs, LAUNCH_TIMEOUT_S)
+    assert status0 == 9
+    assert status1 != 0 and "This most likely indicates that another task died" in err1, err1[-3000:]
+    assert time.monotonic() - started < peer_timeout - 100, "not at once"   # start-up included
+
+
+def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
+    """Process 1 starts, process 0 never does: after --init-timeout, one line and status 75 (JAX would
+    abort later with a stack trace)."""
+    argv = _pretrain_argv(tmp_path, _free_port(), 60)(1) + ["--init-timeout", "5"]
+    (status, err), = _finish(_launch(lambda i: argv, n=1), LAUNCH_TIMEOUT_S)
+    assert status == EXIT_PEER_LOST, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("composer-jax pretrain: error: process 1 of 2 waited 5 s "
+                                                   "(--init-timeout) for the group at localhost:"), err[-3000:]
