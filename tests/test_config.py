@@ -82,5 +82,5 @@ def test_malformed_and_incomplete_files(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         load_config("tiny", ["moe.dispatch"])
     with pytest.raises(FileNotFoundError, match=r"is neither a file nor a bundled model config \(bundled: "
-                                                r"deepseek-v3, kimi-k2.5, tiny\)$"):
+                                                r"deepseek-v3, kimi-k2.5, proxy-moe, tiny\)$"):
         load_config("tiny2")
