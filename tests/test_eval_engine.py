@@ -251,6 +251,29 @@ def test_a_refused_turn_is_an_error_naming_the_episode_and_frees_its_slot(opened
         assert agent.engine.kept == {}
 
 
+def test_a_turn_waiting_for_a_slot_does_not_spin_the_driver(opened):
+    """Every slot kept by an episode between turns and one more episode's first turn queued: the driver
+    waits (no engine steps) until an episode ends and frees a slot, then serves the waiting turn."""
+    import threading
+    import time
+
+    prompt = ByteTokenizer().encode("<|im_start|>user\ncopy abc<|im_end|>\n<|im_start|>assistant\n").tolist()
+    with _agent(opened) as agent:
+        slots = agent.engine.max_slots
+        for i in range(slots):
+            agent.turn(TurnRequest(f"t/{i}", "t", i, 0, tuple(prompt), prompt, 3))
+        assert len(agent.engine.kept) == slots
+        done = threading.Event()
+        threading.Thread(target=lambda: (agent.turn(TurnRequest("u/0", "u", 0, 0, tuple(prompt), prompt, 3)),
+                                         done.set()), daemon=True).start()
+        time.sleep(0.5)
+        steps = agent.stats["engine_steps"]
+        time.sleep(1.0)
+        assert not done.is_set() and agent.stats["engine_steps"] == steps   # waiting, not stepping
+        agent.end_episode("t/0")
+        assert done.wait(120)
+
+
 def _special_tokenizer(path: Path, specials) -> Path:
     """A byte-level BPE tokenizer.json (no merges) with `specials` added as single tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()

@@ -228,7 +228,8 @@ class EngineAgent:
         try:
             while True:
                 with self._wake:
-                    while not self._inbox and self.engine.idle and not self._closing:
+                    # not `idle`: a request queued while every slot is kept must wait, not spin
+                    while not self._inbox and not self.engine.busy and not self._closing:
                         self._wake.wait()
                     inbox, self._inbox = self._inbox, []
                     if self._closing and not inbox and self.engine.idle:
@@ -239,7 +240,7 @@ class EngineAgent:
                 if self._closing:   # no turn follows any more: free the kept slots, or queued requests never start
                     for request_id in list(self.engine.kept):
                         self.engine.release(request_id)
-                if not self.engine.idle:
+                if self.engine.busy:
                     self._step()
         except BaseException as e:   # the engine broke: fail every waiting turn, refuse new ones
             with self._wake:

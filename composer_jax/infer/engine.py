@@ -208,6 +208,13 @@ class Engine:
         """No queued request and no slot prefilling or decoding."""
         return not self.queue and all(s is None or s.phase == "kept" for s in self.slots)
 
+    @property
+    def busy(self) -> bool:
+        """A `step()` would do work: a slot prefilling or decoding, or a queued request and a free slot
+        for it (queued requests wait while every slot is kept)."""
+        return (any(s is not None and s.phase != "kept" for s in self.slots)
+                or (bool(self.queue) and any(s is None for s in self.slots)))
+
     # ------------------------------------------------------------------------------------------
     # weights
 
