@@ -10,7 +10,7 @@ from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import CodingEnv, Flag, TokenEpisode, get_format
 from composer_jax.envs.episode import Turn
 from composer_jax.envs.feedback import TEST_FILE_EDIT
-from composer_jax.envs.monitor import DETECTORS, Monitor, MonitorConfig, monitor_counts, write_examples
+from composer_jax.envs.monitor import DETECTORS, Monitor, MonitorConfig, cut_examples, monitor_counts, write_examples
 from composer_jax.envs.tools import CallRecord
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import load_task
@@ -164,6 +164,14 @@ def test_counts_examples_and_zeroed_rewards(tmp_path):
         (3, "b", ["bytecode_cache", "decompile", "vcs_history"]), (3, "c", ["vcs_history"])]
     assert lines[1]["findings"] == [{"detector": "vcs_history", "turn": 0, "tool": "run",
                                      "evidence": "git show HEAD~1:mathops.py"}]
+    # A run resumed from its step-3 checkpoint: step 5's lines and a line cut short by the crash go.
+    write_examples(path, reports, step=5)
+    with open(path, "a") as f:
+        f.write('{"step": 6, "epis')
+    assert cut_examples(path, keep_through=3) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [3, 3]
+    assert cut_examples(path, keep_through=-1) == 2 and path.read_text() == ""
+    assert cut_examples(tmp_path / "absent.jsonl", keep_through=0) == 0
 
 
 def test_detectors_can_be_chosen():

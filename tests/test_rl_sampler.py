@@ -164,6 +164,21 @@ def test_groups_complete_drop_equal_rewards_and_feed_the_sampler():
         groups.add(pa, Sample(1.0, 1.0))
 
 
+def test_equal_reward_groups_with_feedback_are_kept_for_self_distillation():
+    sampler = TaskSampler(["a", "b"], SamplerConfig(retire_after=0, seed=0))
+    groups = GroupAssembler(2, sampler, feedback=lambda sample: sample.rollout == "flagged")
+    pa, pb = sampler.draw(2)
+    groups.open(pa)
+    groups.open(pb)
+    assert groups.add(pa, Sample(0.0, 0.0, "flagged")) is None
+    kept = groups.add(pa, Sample(0.0, 0.0, "clean"))                   # equal rewards, one flagged turn
+    assert kept.feedback_only and kept.rewards == [0.0, 0.0]
+    groups.add(pb, Sample(0.0, 0.0, "clean"))
+    assert groups.add(pb, Sample(0.0, 0.0, "clean")) is None             # equal rewards, no feedback: dropped
+    assert groups.counts["feedback_only"] == 1 and groups.counts["dropped_zero_variance"] == 1
+    assert groups.counts["trainable"] == 0
+
+
 def test_lost_rollouts_refill_then_drop():
     sampler = TaskSampler(["a", "b"], SamplerConfig(retire_after=0, seed=0))
     groups = GroupAssembler(3, sampler, on_lost="refill", max_refills=1)
@@ -179,7 +194,7 @@ def test_lost_rollouts_refill_then_drop():
     assert groups.lost(pb) is False                                      # past max_refills: dropped
     assert groups.add(pb, Sample(0.0, 0.0)) is None                      # its last rollout, ignored
     assert groups.counts == {"complete": 1, "trainable": 1, "dropped_zero_variance": 0, "dropped_lost": 1,
-                             "lost_rollouts": 3, "refills": 2, "ignored": 1}
+                             "lost_rollouts": 3, "refills": 2, "ignored": 1, "feedback_only": 0}
     assert sampler.stats[pb.task_id].lifetime_samples == 1               # the finished sample counts
     assert not groups.open_groups
 

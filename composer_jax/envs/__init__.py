@@ -5,7 +5,8 @@ monitor. Host-side: uses `composer_jax.tasks` and `composer_jax.sandbox`, never 
 from composer_jax.envs.coding import CodingEnv, CodingEnvConfig
 from composer_jax.envs.episode import TokenEpisode, Turn, rollout_fields
 from composer_jax.envs.feedback import FLAG_KINDS, HINT_BUILDERS, Flag, HintContext, hint_for
-from composer_jax.envs.monitor import DETECTORS, Monitor, MonitorConfig, Report, monitor_counts, write_examples
+from composer_jax.envs.monitor import (DETECTORS, Monitor, MonitorConfig, Report, cut_examples, monitor_counts,
+                                      write_examples)
 from composer_jax.envs.protocol import (CallError, KimiFormat, ParsedTurn, PlainFormat, ToolCall, ToolFormat, ToolSpec,
                                         get_format, parse_turn)
 from composer_jax.envs.rewards import EpisodeStats, RewardConfig, Schedule, compose_reward, length_penalty
@@ -15,5 +16,5 @@ from composer_jax.envs.toy import ToyEnv, ToyTask, toy_tasks
 __all__ = ["DETECTORS", "FLAG_KINDS", "HINT_BUILDERS", "TOOLS", "TOOL_NAMES", "CallError", "CallRecord", "CodingEnv",
            "CodingEnvConfig", "EpisodeStats", "Flag", "HintContext", "KimiFormat", "Monitor", "MonitorConfig",
            "ParsedTurn", "PlainFormat", "Report", "RewardConfig", "Schedule", "TokenEpisode", "ToolCall", "ToolFormat",
-           "ToolSpec", "ToyEnv", "ToyTask", "Turn", "WorkspaceTools", "compose_reward", "get_format", "hint_for",
+           "ToolSpec", "ToyEnv", "ToyTask", "Turn", "WorkspaceTools", "compose_reward", "cut_examples", "get_format", "hint_for",
            "length_penalty", "monitor_counts", "parse_turn", "rollout_fields", "toy_tasks", "write_examples"]

@@ -288,6 +288,30 @@ def monitor_counts(reports: Sequence[Report]) -> dict[str, float]:
     return counts
 
 
+def cut_examples(path: str | Path, keep_through: int) -> int:
+    """Drop the lines of `path` (written by write_examples) for steps after `keep_through`, and any line
+    a crash left unreadable: a run resumed from its checkpoint at that step logs them again. Returns how
+    many were dropped."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def kept(line: str) -> bool:
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return isinstance(step, int) and step <= keep_through
+
+    keep = [line for line in lines if kept(line)]
+    if len(keep) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        tmp.replace(path)
+    return len(lines) - len(keep)
+
+
 def write_examples(path: str | Path, reports: Sequence[Report], *, step: int,
                    episode_ids: Sequence[str] | None = None) -> int:
     """Append one JSON line per flagged episode ({step, episode, detectors, findings}); returns how many."""

@@ -9,8 +9,12 @@
 
 Rules:
 - a group is complete with G samples; its task rewards go to the sampler (pass rates, retirement);
-- a complete group whose rewards are all equal has zero advantage everywhere (no signal): it is
-  dropped and counted (`dropped_zero_variance`), never returned;
+- a complete group whose rewards are all equal has zero advantage everywhere (no policy-gradient
+  signal): it is dropped and counted (`dropped_zero_variance`), unless `feedback` is given and one of
+  its samples carries targeted feedback (`feedback(sample)`: a flagged turn with a hint). Then it is
+  returned with `feedback_only=True` and counted (`feedback_only`): the step's self-distillation term
+  still trains on its flagged turns (its advantages are zero). A policy that always fails the same way
+  gets its signal from the hints alone;
 - a lost rollout (the environment crashed or hung) refills its group (`on_lost="refill"`: `lost`
   returns True and the caller runs one more rollout of the prompt), at most `max_refills` times per
   group; past that, or with `on_lost="drop"`, the group is dropped and counted (`dropped_lost`), the
@@ -21,11 +25,13 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal
 
 from composer_jax.rl.sampler import Prompt, TaskSampler
 
-COUNTS = ("complete", "trainable", "dropped_zero_variance", "dropped_lost", "lost_rollouts", "refills", "ignored")
+COUNTS = ("complete", "trainable", "dropped_zero_variance", "dropped_lost", "lost_rollouts", "refills", "ignored",
+          "feedback_only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Sample:
 class Group:
     prompt: Prompt
     samples: tuple[Sample, ...]
+    feedback_only: bool = False    # equal rewards: trained for its self-distillation term alone
 
     @property
     def rewards(self) -> list[float]:
@@ -56,14 +63,15 @@ class _Open:
 
 class GroupAssembler:
     def __init__(self, group_size: int, sampler: TaskSampler | None = None, *,
-                 on_lost: Literal["refill", "drop"] = "refill", max_refills: int = 2):
+                 on_lost: Literal["refill", "drop"] = "refill", max_refills: int = 2,
+                 feedback: Callable[[Sample], bool] | None = None):
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2, got {group_size}")
         if on_lost not in ("refill", "drop") or max_refills < 0:
             raise ValueError(f"on_lost must be 'refill' or 'drop' and max_refills >= 0, got {on_lost!r}, "
                              f"{max_refills}")
         self.group_size, self.sampler = group_size, sampler
-        self.on_lost, self.max_refills = on_lost, max_refills
+        self.on_lost, self.max_refills, self.feedback = on_lost, max_refills, feedback
         self.open_groups: dict[int, _Open] = {}
         self.counts = dict.fromkeys(COUNTS, 0)
 
@@ -89,7 +97,8 @@ class GroupAssembler:
             self.sampler.record(entry.prompt.task_id, [s.task_reward for s in entry.samples])
 
     def add(self, prompt: Prompt, sample: Sample) -> Group | None:
-        """One finished rollout; returns the group when this completes it with some reward spread."""
+        """One finished rollout; returns the group when this completes it with some reward spread (or
+        with equal rewards and targeted feedback: `feedback_only`)."""
         entry = self._entry(prompt)
         if entry.dropped:
             self.counts["ignored"] += 1
@@ -103,6 +112,9 @@ class GroupAssembler:
         self._record(entry)
         group = Group(prompt, tuple(entry.samples))
         if max(group.rewards) == min(group.rewards):
+            if self.feedback is not None and any(self.feedback(s) for s in group.samples):
+                self.counts["feedback_only"] += 1
+                return dataclasses.replace(group, feedback_only=True)
             self.counts["dropped_zero_variance"] += 1
             return None
         self.counts["trainable"] += 1

@@ -34,7 +34,7 @@ from flax import nnx
 
 from composer_jax.config import ConfigError, MeshConfig, to_dict
 from composer_jax.data.tokenizer import ByteTokenizer
-from composer_jax.envs import get_format, write_examples
+from composer_jax.envs import cut_examples, get_format, write_examples
 from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
@@ -42,7 +42,7 @@ from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.ingest import data_shards
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_context
+from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, carries_feedback, engine_context
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.step import RLStep
@@ -162,8 +162,9 @@ class RLTrainer:
         ids = list(self.tasks.train)
         self.sampler = (TaskSampler(ids, cfg.sampler) if data is None
                         else TaskSampler.from_state(data["sampler"], ids, cfg.sampler))
+        feedback = carries_feedback if cfg.rl.sd_coef > 0 and cfg.rollout.feedback_slots else None
         self.groups = GroupAssembler(cfg.rl.group_size, self.sampler, on_lost=cfg.rollout.on_lost,
-                                     max_refills=cfg.rollout.max_refills)
+                                     max_refills=cfg.rollout.max_refills, feedback=feedback)
         if data is not None:
             self.groups.load_state(data["groups"])
         self.agent = self._engine_agent(model, engine_devices)
@@ -209,7 +210,9 @@ class RLTrainer:
         start = step = self.version
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
+        keep_through = -1 if self.resumed_from is None else start    # each step's lines once
+        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=keep_through)
+        cut_examples(self.run_dir / "monitor.jsonl", keep_through)
         progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress)
         producer = RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, cfg,
                                    start_index=start, workspace=self.tasks.workspace)

@@ -60,6 +60,11 @@ class Rollout:
         return f"{self.prompt.draw}/{self.sample}"
 
 
+def carries_feedback(sample: Sample) -> bool:
+    """Whether a finished rollout has a flagged turn with a hint (a self-distillation target)."""
+    return any(turn.hint for turn in sample.rollout.episode.turns)
+
+
 @dataclasses.dataclass
 class ProducedBatch:
     index: int                  # the policy version that trains on it (the step it is for)
