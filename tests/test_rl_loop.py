@@ -30,7 +30,7 @@ from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.loop import Overlap, RLTrainer
-from composer_jax.rl.rollout import RolloutProducer, engine_context
+from composer_jax.rl.rollout import RolloutProducer, carries_feedback, engine_context
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.task_sets import TaskSets
@@ -116,7 +116,7 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
             max_len=engine_context(cfg, trainer.tokenizer, get_format("plain")),
             steps_per_call=r.steps_per_call, format="plain"))
         producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler,
-                                   GroupAssembler(cfg.rl.group_size, sampler), cfg)
+                                   GroupAssembler(cfg.rl.group_size, sampler, feedback=carries_feedback), cfg)
         try:
             for step in range(steps):
                 policy = nnx.merge(trainer.rl_step.graphdef, state.params, state.biases, trainer.rl_step.rest)
@@ -139,7 +139,7 @@ def test_staleness_bound_and_lost_rollouts(tmp_path):
     version at most 2 behind the learner's (and the producer does run ahead); an environment that
     crashes and one that hangs past the timeout lose rollouts, which are counted, and every step still
     trains the rest; the monitor flags the episodes that edit a test file (monitor.jsonl, counts) and,
-    with monitor.zero_reward, their groups carry no reward and are never trained."""
+    with monitor.zero_reward, their groups carry no reward and train only their hinted turns."""
     steps = 4
     cfg = _config(tmp_path / "run", "rl.max_staleness=2", f"rl.steps={steps}", "rollout.devices=4",
                   "rollout.timeout_s=2", "rollout.max_refills=1", "monitor.zero_reward=true")
@@ -155,7 +155,10 @@ def test_staleness_bound_and_lost_rollouts(tmp_path):
     flagged = [json.loads(line) for line in (Path(cfg.run_dir) / "monitor.jsonl").read_text().splitlines()]
     assert flagged and all(f["detectors"] == ["test_files"] for f in flagged)
     assert sum(r["monitor_test_files"] for r in records) == len(flagged)
-    assert all("cheat-2" not in r["trained_tasks"] for r in records)
+    # Zeroed rewards leave no policy-gradient signal: a cheating group trains only its hinted turns.
+    assert any(r["feedback_only_draws"] for r in records)
+    assert all(draw in r["feedback_only_draws"] for r in records
+               for draw, task in zip(r["trained_draws"], r["trained_tasks"]) if task == "cheat-2")
 
 
 @pytest.mark.slow

@@ -256,7 +256,8 @@ class RLTrainer:
                               "dropped_stale_batches": float(dropped_stale),
                               "batch_draws": produced.draws,
                               "trained_draws": [g.prompt.draw for g in produced.groups],
-                              "trained_tasks": [g.prompt.task_id for g in produced.groups]}
+                              "trained_tasks": [g.prompt.task_id for g in produced.groups],
+                              "feedback_only_draws": [g.prompt.draw for g in produced.groups if g.feedback_only]}
                     write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
                                    episode_ids=[k for k, _ in produced.reports])
                     if cfg.eval.every and self.tasks.held_out and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
