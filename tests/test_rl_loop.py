@@ -195,6 +195,7 @@ def test_sigkill_then_restart_continues(tmp_path):
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.batch_size=10", "rl.group_size=4"], "rollout.batch_size"),
     (["rewards.style_weight=1"], "rewards.style_weight"),
+    (["warm_start.batch_size=4"], "warm_start.batch_size"),
     (["env.kind=coding", "env.tasks_dir={empty}", "warm_start.steps=0"], "env.tasks_dir"),
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):

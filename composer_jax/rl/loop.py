@@ -135,6 +135,9 @@ class RLTrainer:
             raise ConfigError("rollout.batch_size", f"{cfg.rollout.batch_size} rows (micro-batches of "
                                                     f"{cfg.rl.micro_batch or cfg.rollout.batch_size}) do not split "
                                                     f"over the learner's {shards} data-parallel shards")
+        if cfg.warm_start.steps and cfg.warm_start.batch_size % shards:
+            raise ConfigError("warm_start.batch_size", f"{cfg.warm_start.batch_size} rows do not split over the "
+                                                       f"learner's {shards} data-parallel shards")
         model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
         with self.dual:
             shard_model(model, self.dual)
