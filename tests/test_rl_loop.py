@@ -102,6 +102,7 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     records = _records(cfg.run_dir)
     assert summary["end_step"] == steps and [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness_max"] == 0 for r in records)
+    assert all(0 < r["mtp1_acceptance"] <= 1 for r in records)
 
     # The synchronous reference: the same initial model, sampler and seeds; the compiled step is reused.
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))

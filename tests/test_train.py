@@ -56,6 +56,7 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(run):
     for r in train_lines:
         assert np.isfinite(r["loss"]) and r["finite"] == 1.0 and r["time"] > 0
         assert {"ce", "mtp1_ce", "mtp1_kl", "grad_norm", "lr", "expert_load_max_over_mean"} <= set(r)
+        assert 0 < r["mtp1_acceptance"] <= 1
         assert r["moe_dropped_fraction"] == 0   # the dense dispatch never drops
     measured = [r for r in train_lines if "tokens_per_s" in r]  # once per log group (log_every=2, and the end)
     assert [r["step"] for r in measured] == [2, 3] and all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in measured)

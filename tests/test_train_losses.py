@@ -73,6 +73,17 @@ def _numpy_kl(student_h, teacher_h, head, weights):
     return float(np.sum(np.asarray(weights) * np.sum(np.exp(t) * (t - s), -1)))
 
 
+def _numpy_acceptance(student_h, teacher_h, head, weights):
+    """sum_i w_i P(speculative sampling keeps a token drafted from the student), by simulation in float64:
+    the draft x ~ q is kept with probability min(1, p(x) / q(x)), summed exactly over x."""
+    def softmax(h):
+        x = np.asarray(h, np.float64) @ np.asarray(head, np.float64)
+        x = np.exp(x - x.max(-1, keepdims=True))
+        return x / x.sum(-1, keepdims=True)
+    q, p = softmax(student_h), softmax(teacher_h)
+    return float(np.sum(np.asarray(weights) * np.sum(q * np.minimum(1.0, p / q), -1)))
+
+
 def test_self_distillation_kl_value_and_stop_gradient():
     hidden, mtp_hidden, head, tokens, segments, loss_mask = _inputs()
     sums = losses.lm_loss_sums(hidden, mtp_hidden, head, tokens, segments, loss_mask, chunk=3, distill=True)
@@ -80,6 +91,12 @@ def test_self_distillation_kl_value_and_stop_gradient():
         _, w = losses.target_weights(tokens, segments, loss_mask, k + 1)
         teacher = losses.shift_hidden_left(hidden, k)  # the main head at i + k predicts t[i+k+1] too
         np.testing.assert_allclose(sums.mtp_kl[k - 1], _numpy_kl(mtp_hidden[k - 1], teacher, head, w), rtol=1e-5)
+        np.testing.assert_allclose(sums.mtp_accept[k - 1], _numpy_acceptance(mtp_hidden[k - 1], teacher, head, w),
+                                   rtol=1e-5)
+    self_accept = losses.lm_loss_sums(hidden, jnp.stack([losses.shift_hidden_left(hidden, k) for k in (1, 2)]),
+                                      head, tokens, segments, loss_mask, chunk=3, distill=True).mtp_accept
+    np.testing.assert_allclose(self_accept, [losses.target_weights(tokens, segments, loss_mask, k + 1)[1].sum()
+                                             for k in (1, 2)], rtol=1e-5)    # a draft from p itself: always kept
     # The teacher is stop-gradient: the KL does not move the main hidden states.
     kl_of_hidden = lambda h: losses.lm_loss_sums(h, mtp_hidden, head, tokens, segments, loss_mask,  # noqa: E731
                                                  chunk=3, distill=True).mtp_kl.sum()

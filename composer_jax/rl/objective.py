@@ -142,10 +142,10 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
         terms["sd"] = cfg.sd_coef * losses.self_distillation_loss(divergence, sd_mask, totals.sd_tokens)
     if depths:
         head = sg(weight(model.lm_head, hidden.dtype))
-        _, kl = lm_losses.mtp_loss_sums(hidden, out.mtp_hidden, head, tokens, batch.segment_ids, batch.generated,
-                                        chunk=cfg.loss_chunk, with_ce=False, distill=True)
+        _, kl, accept = lm_losses.mtp_loss_sums(hidden, out.mtp_hidden, head, tokens, batch.segment_ids,
+                                                batch.generated, chunk=cfg.loss_chunk, with_ce=False, distill=True)
         terms["mtp"] = lm_losses.depth_mean(kl, totals.mtp_targets, cfg.mtp_distill_weight)
-        sums["mtp_kl"] = kl
+        sums["mtp_kl"], sums["mtp_accept"] = kl, accept
     return terms, sums, maxes
 
 
@@ -157,12 +157,14 @@ def _combine(acc, new):
 
 def _metrics(terms: dict, sums: dict, maxes: dict, totals: StepTotals, batch: RolloutBatch) -> dict:
     per_token = jnp.maximum(totals.tokens, 1.0)
-    per_step = ("mtp_kl", "moe_dropped", "moe_assigned")
+    per_step = ("mtp_kl", "mtp_accept", "moe_dropped", "moe_assigned")
     metrics = {name: value / per_token for name, value in sums.items() if name not in per_step}
     metrics["moe_dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(sums["moe_assigned"], 1.0)
     metrics.update(maxes)
     for k in range(totals.mtp_targets.shape[0]):
         metrics[f"mtp{k + 1}_kl"] = sums["mtp_kl"][k] / jnp.maximum(totals.mtp_targets[k], 1.0)
+        # The expected acceptance of depth k's draft by speculative sampling of the rollouts (temperature 1).
+        metrics[f"mtp{k + 1}_acceptance"] = sums["mtp_accept"][k] / jnp.maximum(totals.mtp_targets[k], 1.0)
     metrics.update(tokens=totals.tokens, reward_mean=jnp.mean(batch.rewards),
                    advantage_abs_mean=jnp.mean(jnp.abs(totals.advantages)))
     if "sd" in terms:

@@ -55,7 +55,9 @@ def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
 
 
 def _chunk_sums(head, h, labels, weights, teacher, with_ce: bool):
-    """Sums over one chunk: [sum w * CE] (with_ce), then [sum w * KL(teacher || student)] (a teacher).
+    """Sums over one chunk: [sum w * CE] (with_ce), then [sum w * KL(teacher || student), sum w * A]
+    (a teacher), where A = sum_x min(p_teacher(x), p_student(x)) is the probability that speculative
+    sampling keeps a token drafted from the student (kept with min(1, p/q)): a metric, no gradient.
     h: [batch, chunk, embed]."""
     logits = jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)      # [batch, chunk, vocab]
     logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
@@ -69,6 +71,8 @@ def _chunk_sums(head, h, labels, weights, teacher, with_ce: bool):
         t_logp = jax.nn.log_softmax(t_logits, axis=-1)
         kl = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
         sums.append(jnp.sum(weights * kl))
+        accept = jnp.sum(jnp.minimum(jnp.exp(t_logp), jnp.exp(jax.lax.stop_gradient(logp))), axis=-1)
+        sums.append(jnp.sum(weights * accept))
     return jnp.stack(sums)
 
 
@@ -80,7 +84,8 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
     weights: f32[batch, seq]; teacher: [batch, seq, embed] hidden states whose head distribution is the
     stop-gradient KL target. The sequence is cut into chunks of `chunk` positions, so one
     [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard).
-    Returns the CE sum (unless `with_ce=False`), then the KL sum (with a teacher): f32[1] or f32[2].
+    Returns the CE sum (unless `with_ce=False`), then the KL and acceptance sums (with a teacher):
+    f32[1], f32[2] or f32[3].
     """
     b, s, _ = hidden.shape
     chunk = min(chunk, s)
@@ -99,17 +104,18 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
     def body(total, x):
         return total + chunk_fn(head, *x), None
 
-    init = jnp.zeros((int(with_ce) + int(teacher is not None),), jnp.float32)
+    init = jnp.zeros((int(with_ce) + 2 * int(teacher is not None),), jnp.float32)
     total, _ = jax.lax.scan(body, init, xs)
     return total
 
 
 class LossSums(NamedTuple):
-    """Per micro-batch sums: main CE f32[]; MTP CE and KL f32[depths]."""
+    """Per micro-batch sums: main CE f32[]; MTP CE, KL and speculative acceptance f32[depths]."""
 
     ce: jax.Array
     mtp_ce: jax.Array
     mtp_kl: jax.Array
+    mtp_accept: jax.Array
 
 
 def count_targets(tokens, segment_ids, loss_mask, depths: int) -> tuple[jax.Array, jax.Array]:
@@ -125,9 +131,10 @@ def count_targets(tokens, segment_ids, loss_mask, depths: int) -> tuple[jax.Arra
 
 
 def mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int, with_ce: bool = True,
-                  distill: bool) -> tuple[jax.Array, jax.Array]:
-    """Per-depth MTP sums (CE_k and KL_k of the module docstring, before normalisation): f32[depths]
-    each, zeros for a part not computed (`with_ce=False`: the self-distillation KL alone).
+                  distill: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-depth MTP sums (CE_k and KL_k of the module docstring, before normalisation, and the
+    acceptance sums of `_chunk_sums`): f32[depths] each, zeros for a part not computed (`with_ce=False`:
+    the self-distillation KL alone; `distill=False`: no KL, no acceptance).
 
     hidden: [batch, seq, embed] (main model, after the final norm; the KL teacher under stop-gradient);
     mtp_hidden: [depths, batch, seq, embed]; head: [embed, vocab] (whole); tokens, segment_ids,
@@ -135,16 +142,18 @@ def mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, c
     """
     hidden = gather_sequence(hidden)
     mtp_hidden = gather_sequence(mtp_hidden, axis=2)
-    mtp_ce, mtp_kl = [], []
+    mtp_ce, mtp_kl, mtp_accept = [], [], []
+    zero = jnp.zeros((), jnp.float32)
     for k in range(1, mtp_hidden.shape[0] + 1):
         labels, weights = target_weights(tokens, segment_ids, loss_mask, k + 1)
         teacher = shift_hidden_left(hidden, k) if distill else None
         sums = list(head_loss_sums(mtp_hidden[k - 1], head, labels, weights, chunk=chunk, teacher=teacher,
                                    with_ce=with_ce))
-        mtp_ce.append(sums.pop(0) if with_ce else jnp.zeros((), jnp.float32))
-        mtp_kl.append(sums.pop(0) if distill else jnp.zeros((), jnp.float32))
+        mtp_ce.append(sums.pop(0) if with_ce else zero)
+        mtp_kl.append(sums.pop(0) if distill else zero)
+        mtp_accept.append(sums.pop(0) if distill else zero)
     stack = lambda xs: jnp.stack(xs) if xs else jnp.zeros((0,), jnp.float32)  # noqa: E731
-    return stack(mtp_ce), stack(mtp_kl)
+    return stack(mtp_ce), stack(mtp_kl), stack(mtp_accept)
 
 
 def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int,
@@ -158,7 +167,8 @@ def lm_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, ch
     labels, weights = target_weights(tokens, segment_ids, loss_mask, 1)
     ce = head_loss_sums(hidden, head, labels, weights, chunk=chunk)[0]
     if mtp_hidden is None:
-        return LossSums(ce, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+        none = jnp.zeros((0,), jnp.float32)
+        return LossSums(ce, none, none, none)
     return LossSums(ce, *mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, chunk=chunk,
                                        distill=distill))
 

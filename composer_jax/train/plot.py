@@ -17,9 +17,10 @@ LEFT, RIGHT = "left", "right"
 FIGURES = {
     "loss": ("Loss", {LEFT: "nats / token"},
              [("loss", "train objective", LEFT), ("ce", "train CE", LEFT), ("eval_loss", "held-out CE", LEFT)]),
-    "mtp": ("MTP", {LEFT: "cross-entropy (nats / token)", RIGHT: "KL to main head (nats / token)"},
+    "mtp": ("MTP", {LEFT: "cross-entropy (nats / token)", RIGHT: "KL (nats / token), acceptance"},
             [("mtp1_ce", "MTP depth 1 CE", LEFT), ("eval_mtp1_ce", "held-out MTP depth 1 CE", LEFT),
-             ("mtp1_kl", "MTP depth 1 KL to main", RIGHT)]),
+             ("mtp1_kl", "MTP depth 1 KL to main", RIGHT),
+             ("mtp1_acceptance", "MTP depth 1 speculative acceptance", RIGHT)]),
     "throughput": ("Throughput", {LEFT: "tokens / s"}, [("tokens_per_s", "tokens/s", LEFT)]),
     "mfu": ("Model FLOPs utilisation (estimate)", {LEFT: "MFU"}, [("mfu", "MFU", LEFT)]),
     "lr": ("Learning rate", {LEFT: "lr"}, [("lr", "lr", LEFT)]),

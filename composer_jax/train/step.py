@@ -113,6 +113,8 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
         for k in range(depths):
             metrics[f"mtp{k + 1}_ce"] = sums.mtp_ce[k] / jnp.maximum(n_mtp[k], 1.0)
             metrics[f"mtp{k + 1}_kl"] = sums.mtp_kl[k] / jnp.maximum(n_mtp[k], 1.0)
+            if tcfg.mtp_distill_weight > 0:     # speculative sampling's expected acceptance of depth k's draft
+                metrics[f"mtp{k + 1}_acceptance"] = sums.mtp_accept[k] / jnp.maximum(n_mtp[k], 1.0)
         return new_state, metrics
 
     return step
