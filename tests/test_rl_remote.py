@@ -21,7 +21,8 @@ from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
 from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
-from composer_jax.rl.exchange import ExchangeError, LearnerExchange, read_batch, read_weights, write_batch, write_weights
+from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, read_batch, read_weights,
+                                      write_batch, write_weights)
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch
 from composer_jax.rl.run_config import load_rl_config
@@ -59,10 +60,11 @@ def test_weight_snapshot_round_trip(tmp_path):
 def _produced() -> ProducedBatch:
     rng = np.random.default_rng(0)
     b, s, k, t = 4, 10, 1, 6
-    batch = RolloutBatch(tokens=rng.integers(0, 256, (b, s), np.int32), positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)),
-                         segment_ids=np.ones((b, s), np.int32), generated=rng.random((b, s)) < 0.5,
-                         behaviour_logprobs=-rng.random((b, s), np.float32), rewards=rng.random(b, np.float32),
-                         group_ids=np.array([0, 0, 1, 1], np.int32), teacher_tokens=rng.integers(0, 256, (b, k, t), np.int32),
+    batch = RolloutBatch(tokens=rng.integers(0, 256, (b, s), np.int32),
+                         positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)), segment_ids=np.ones((b, s), np.int32),
+                         generated=rng.random((b, s)) < 0.5, behaviour_logprobs=-rng.random((b, s), np.float32),
+                         rewards=rng.random(b, np.float32), group_ids=np.array([0, 0, 1, 1], np.int32),
+                         teacher_tokens=rng.integers(0, 256, (b, k, t), np.int32),
                          teacher_map=np.full((b, k, t), -1, np.int32))
     sampler = TaskSampler(["a", "b", "c"])
     prompts = sampler.draw(2)
@@ -108,6 +110,23 @@ def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
         learner.next_batch()
     write_batch(target, _produced())
     assert learner.next_batch().index == 5 and not target.exists()
+
+
+def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_path):
+    """A restarted learner removes the previous session only (the directory may hold other files) and
+    the engine side sees that session end; an engine's failure line reaches the learner at once."""
+    (tmp_path / "other").mkdir()
+    first = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=60)
+    first.start()
+    engine = EngineExchange(tmp_path, EngineExchange.wait_session(tmp_path, 1), like={}, timeout_s=60)
+    assert engine.session["session"] == first.session["session"] and not engine.ended()
+    second = LearnerExchange(tmp_path, start_index=3, sampler_state={}, group_counts={}, timeout_s=60)
+    second.start()
+    assert engine.ended() and not first.dir.exists() and (tmp_path / "other").is_dir()
+    assert EngineExchange.wait_session(tmp_path, 1, after=first.session["session"])["start"] == 3
+    EngineExchange(tmp_path, second.session, like={}, timeout_s=60).fail("RuntimeError: the engine broke")
+    with pytest.raises(ExchangeError, match="^the rollout engine failed: RuntimeError: the engine broke$"):
+        second.next_batch()
 
 
 def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:

@@ -5,15 +5,16 @@ The exchange directory (`rollout.exchange_dir`, default RUN_DIR/exchange) lies o
 hosts see:
 
     session.json                      the learner's running session: id, first batch index, sampler and group state
-    <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array); newest KEEP_VERSIONS kept
+    <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array);
+                                      the newest KEEP_VERSIONS kept
     <session>/batches/<index>.npz     one ProducedBatch for policy version `index`; removed once the learner read it
     <session>/stop                    the learner is done: the engine exits
     <session>/engine-failed           the engine's one-line failure: the learner stops with it
 
 Every file is written under a hidden temporary name in its directory, then renamed (atomic on POSIX):
 a reader sees a whole file or none. Files are npz (arrays) with one JSON member (`__meta__`) for the
-rest; nothing is pickled. A restarted learner starts a new session (and removes the old ones), so an
-engine never mixes weights or batches of two runs; a running engine follows the new session.
+rest; nothing is pickled. A restarted learner starts a new session (and removes the previous one), so
+an engine never mixes weights or batches of two runs; a running engine follows the new session.
 
 Why not device to device: `jax.experimental.transfer` (a pull-based transfer server) does move an
 array between two CPU processes on jax 0.10.2 (checked: one array pulled over loopback), but it is
@@ -167,11 +168,12 @@ class LearnerExchange:
         self.dir = self.root / self.session["session"]
 
     def start(self) -> None:
-        """Open a new session (the sessions of earlier runs removed)."""
+        """Open a new session (the previous run's removed: only the one session.json names, since the
+        directory may hold other files)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for old in self.root.iterdir():
-            if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+        previous = read_session(self.root)
+        if previous is not None:
+            shutil.rmtree(self.root / previous["session"], ignore_errors=True)
         (self.dir / "weights").mkdir(parents=True)
         (self.dir / "batches").mkdir()
         atomic_write(self.root / SESSION_FILE, json.dumps(self.session).encode())
