@@ -21,8 +21,8 @@ from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
 from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
-from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, read_batch, read_weights,
-                                      write_batch, write_weights)
+from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
+                                      engine_settings, read_batch, read_weights, write_batch, write_weights)
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch
 from composer_jax.rl.run_config import load_rl_config
@@ -127,6 +127,15 @@ def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_pat
     EngineExchange(tmp_path, second.session, like={}, timeout_s=60).fail("RuntimeError: the engine broke")
     with pytest.raises(ExchangeError, match="^the rollout engine failed: RuntimeError: the engine broke$"):
         second.next_batch()
+
+
+def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):
+    """Host-local settings may differ (paths, devices, timeouts); a setting the batches depend on may not."""
+    learner = engine_settings(_config(tmp_path / "a"))
+    same = _config(tmp_path / "b", "cpu_devices=2", f"rollout.exchange_dir={tmp_path}", "rollout.engine_timeout_s=5")
+    check_same_settings(learner, engine_settings(same))
+    with pytest.raises(ExchangeError, match=r"differs from the learner's at 'rl.max_staleness' \(2, the learner's 1\)"):
+        check_same_settings(learner, engine_settings(_config(tmp_path / "a", "rl.max_staleness=2")))
 
 
 def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:

@@ -38,12 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.config import to_dict
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.rollout import ProducedBatch
+from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import Prompt
 from composer_jax.tree_paths import path_str
 
+# What the engine's batches depend on: these settings must be the learner's (paths may differ by host).
+ENGINE_SECTIONS = ("model", "rollout", "env", "rewards", "sampler", "monitor", "seed", "rl.group_size",
+                   "rl.max_staleness")
+HOST_LOCAL = {"rollout.exchange_dir", "rollout.engine_timeout_s", "rollout.devices", "env.tasks_dir", "env.eval_dir",
+              "env.repo"}
 KEEP_VERSIONS = 3           # weight versions kept in the directory (an engine may still be reading an older one)
 POLL_S = 0.1
 SESSION_FILE = "session.json"
@@ -134,6 +141,31 @@ def read_batch(path: Path) -> ProducedBatch:
                          meta["sampler_state"], meta["group_counts"], tuple(meta["busy"]))
 
 
+# -- the settings both sides must share ---------------------------------------------------------------
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()} if tree else {}
+
+
+def engine_settings(cfg: RLRunConfig) -> dict:
+    """The dotted settings the engine's batches depend on (ENGINE_SECTIONS, host-local paths left out), in
+    their JSON form (as the session file carries them)."""
+    flat = {k.rstrip("."): v for k, v in _flatten(to_dict(cfg)).items()}
+    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in HOST_LOCAL
+                                  and any(k == s or k.startswith(s + ".") for s in ENGINE_SECTIONS)}))
+
+
+def check_same_settings(learner: dict, engine: dict) -> None:
+    """ExchangeError naming the first setting where the engine's config differs from the learner's."""
+    for key in sorted(learner.keys() | engine.keys()):
+        if learner.get(key) != engine.get(key):
+            raise ExchangeError(f"the engine's config differs from the learner's at '{key}' ({engine.get(key)!r}, "
+                                f"the learner's {learner.get(key)!r}): start both with the same config and overrides")
+
+
 # -- the directory ------------------------------------------------------------------------------------
 
 
@@ -158,13 +190,14 @@ def read_session(root: Path) -> dict | None:
 class LearnerExchange:
     """The learner's side, with the calls of RolloutProducer's learner side (start, publish, next_batch,
     stop). `start_index`: the first batch's policy version; the sampler and group state the engine
-    starts from (the checkpoint's on a resumed run); `timeout_s`: how long next_batch waits."""
+    starts from (the checkpoint's on a resumed run); `timeout_s`: how long next_batch waits;
+    `settings`: the learner's `engine_settings`, which the engine checks its own against."""
 
     def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
-                 timeout_s: float):
+                 timeout_s: float, settings: dict | None = None):
         self.root, self.index, self.timeout_s = Path(root), start_index, timeout_s
         self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
-                        "groups": group_counts}
+                        "groups": group_counts, "settings": settings or {}}
         self.dir = self.root / self.session["session"]
 
     def start(self) -> None:

@@ -42,7 +42,7 @@ from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.ingest import data_shards
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.exchange import LearnerExchange
+from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
@@ -209,7 +209,8 @@ class RLTrainer:
         if self.remote:
             r = self.cfg.rollout
             return LearnerExchange(r.exchange_dir, start_index=start, sampler_state=self.sampler.state_dict(),
-                                   group_counts=self.groups.state_dict(), timeout_s=r.engine_timeout_s)
+                                   group_counts=self.groups.state_dict(), timeout_s=r.engine_timeout_s,
+                                   settings=engine_settings(self.cfg))
         return RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, self.cfg,
                                start_index=start, workspace=self.tasks.workspace)
 

@@ -23,7 +23,7 @@ from composer_jax.config import MeshConfig
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
-from composer_jax.rl.exchange import POLL_S, EngineExchange, ExchangeError
+from composer_jax.rl.exchange import POLL_S, EngineExchange, ExchangeError, check_same_settings, engine_settings
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.rollout import RolloutProducer, engine_agent
 from composer_jax.rl.run_config import RLRunConfig
@@ -42,6 +42,7 @@ def _watch(exchange: EngineExchange, producer: RolloutProducer, done: threading.
 def _serve_session(cfg: RLRunConfig, agent, tasks: TaskSets, exchange: EngineExchange) -> int:
     """Batches for one learner session until it ends; returns how many were written."""
     session = exchange.session
+    check_same_settings(session["settings"], engine_settings(cfg))
     first = exchange.wait_weights(session["start"] - cfg.rl.max_staleness)
     if first is None:
         return 0
