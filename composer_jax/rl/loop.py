@@ -9,7 +9,10 @@ newest weights it has; no trained batch is older than `rl.max_staleness` version
 be is dropped and counted). After each step the learner copies its parameters device to device into
 the engine's layout (`Engine.place_weights`) and publishes them; the engine installs them between
 batches without recompiling. By default the engine shares the learner's devices; `rollout.devices=K`
-puts it on its own K devices and the learner's dual grid on the rest.
+puts it on its own K devices and the learner's dual grid on the rest; `rollout.transport=directory`
+runs it in a process of its own (`composer-jax rl-engine`, `rl.remote_engine`): the learner then
+writes each version's parameters to the exchange directory and reads the batches from there
+(`rl.exchange.LearnerExchange`, the producer's calls).
 
 Everything a run writes lives in RUN_DIR: `config.yaml`, `metrics.jsonl` + `tb/` (one line per step:
 policy version, staleness, rewards and their components, pass rate, loss terms, KL, entropy,

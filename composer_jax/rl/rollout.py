@@ -10,7 +10,9 @@ Bounded staleness: batch i is trained when the learner is at policy version i. T
 batch i only once version i - max_staleness is published, and installs the newest published weights
 in the engine (`EngineAgent.update_weights`, in place, no recompilation) between batches, so every
 token of batch i comes from a version in [i - max_staleness, i] (each records its own version). With
-max_staleness = 0 it waits for the learner before every batch: a synchronous loop.
+max_staleness = 0 it waits for the learner before every batch: a synchronous loop. That loop,
+`run_batches`, is also the rollout engine process's (`rl.remote_engine`), with weights from and
+batches to the exchange directory instead of the learner's thread.
 
 One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
 episode in its own thread, all turns decoding together in the engine's slots). An episode that raises
