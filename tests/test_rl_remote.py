@@ -144,34 +144,31 @@ def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _run_with_engine(overrides: list[str]) -> tuple[dict, dict]:
-    """The learner (here, on 8 devices) against an engine process (2 devices): (learner summary, engine summary)."""
-    engine = _engine(overrides)
+@pytest.mark.slow
+def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, monkeypatch):
+    """One engine process (2 devices) against the learner here (8 devices), rl.max_staleness=1: 3 steps,
+    then the learner dies without its stop marker (as under SIGKILL) and the same run is resumed to 5.
+    The engine loads several weight versions and follows the new learner session, starting it from
+    the checkpoint's weights (version 3) and sampler state, so the prompts drawn over the whole run are
+    each drawn once, in sequence; every step trains its batch (none refused as stale, rows trained),
+    the recorded staleness stays within 1 and the engine does run ahead."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300"]
+    engine = _engine([*overrides, "rl.steps=5"])
     try:
-        summary = RLTrainer(load_rl_config("rl-tiny", overrides), parity_tasks()).run()
+        with monkeypatch.context() as killed:
+            killed.setattr(LearnerExchange, "stop", lambda self: None)
+            first = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=3"]), parity_tasks()).run()
+        second = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=5"]), parity_tasks()).run()
         out, err = engine.communicate(timeout=120)
     finally:
         if engine.poll() is None:
             engine.kill()
             engine.communicate()
     assert engine.returncode == 0, err[-3000:]
-    return summary, json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.mark.slow
-def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path):
-    """rl.max_staleness=1, 3 steps, then the same run resumed to 5 with a new engine: the engine process
-    loads several weight versions; every step trains its batch (no batch refused as stale, rows
-    trained), the recorded staleness stays within 1 and the engine does run ahead; the resumed engine
-    starts from the checkpoint's sampler state, so the prompts drawn over the whole run are each drawn
-    once, in sequence."""
-    run_dir = tmp_path / "run"
-    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300"]
-    summary, engine = _run_with_engine([*overrides, "rl.steps=3"])
-    assert summary["end_step"] == 3 and engine["sessions"] == 1
-    assert len(set(engine["versions"])) >= 2 and engine["batches"] >= 3, engine
-    summary, engine = _run_with_engine([*overrides, "rl.steps=5"])
-    assert summary["start_step"] == 3 and summary["end_step"] == 5 and engine["versions"][0] == 3, engine
+    served = json.loads(out.strip().splitlines()[-1])
+    assert first["end_step"] == 3 and (second["start_step"], second["end_step"]) == (3, 5)
+    assert served["sessions"] == 2 and len(set(served["versions"][0])) >= 2 and served["versions"][1][0] == 3, served
 
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]

@@ -177,7 +177,8 @@ def _run_rl_engine(args) -> int:
     except ExchangeError as e:   # the learner is silent, or the config is not a directory-transport run
         print(f"composer-jax rl-engine: error: {e}", file=sys.stderr)
         return 1
-    print(f"rl-engine: {s['batches']} batches, weight versions {s['versions']}, {s['sessions']} learner session(s)")
+    print(f"rl-engine: {s['batches']} batches, {s['sessions']} learner session(s), weight versions loaded "
+          f"{'; '.join(', '.join(map(str, v)) for v in s['versions'])}")
     return 0
 
 

@@ -67,7 +67,8 @@ def _serve_session(cfg: RLRunConfig, agent, tasks: TaskSets, exchange: EngineExc
 def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print) -> dict:
     """Serve the learner's sessions until one stops (see the module docstring). `tasks`: the task sets
     (default: those cfg.env describes, built once the learner's session exists: a coding run's tasks are
-    made by the learner). Returns {"batches", "versions": every weight version loaded, "sessions"}."""
+    made by the learner). Returns {"batches", "versions": the weight versions loaded, a list per
+    session, "sessions"}."""
     root, timeout = cfg.rollout.exchange_dir, cfg.rollout.engine_timeout_s
     if cfg.rollout.transport != "directory":
         raise ExchangeError("composer-jax rl-engine serves a learner run with rollout.transport=directory")
@@ -84,7 +85,7 @@ def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print) -> dict:
             log(f"rl-engine: session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")
             summary["batches"] += _serve_session(cfg, agent, tasks, exchange)
-            summary["versions"] += exchange.versions
+            summary["versions"].append(exchange.versions)
             summary["sessions"] += 1
             if (exchange.dir / "stop").exists():
                 return summary
