@@ -42,10 +42,10 @@ from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
+from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.ingest import data_shards
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
