@@ -7,7 +7,6 @@ The tiny model with random weights and a test environment whose reward has a ~1/
 of the answer's first character), so groups carry signal without a warm start; turns it does not
 reward are flagged (targeted feedback trains on them)."""
 
-import dataclasses
 import json
 import os
 import re
@@ -23,18 +22,16 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
-from composer_jax.envs import Flag, HintContext, get_format, toy_tasks
-from composer_jax.envs.feedback import NO_ACTION, TEST_FILE_EDIT
+from composer_jax.envs import get_format, toy_tasks
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
-from composer_jax.rl.groups import GroupAssembler
 from composer_jax.rl.loop import Overlap, RLTrainer
-from composer_jax.rl.rollout import RolloutProducer, carries_feedback, engine_context
+from composer_jax.rl.rollout import RolloutProducer, engine_context, group_assembler
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
-from composer_jax.rl.task_sets import TaskSets
 from composer_jax.train.metrics import read_metrics
+from tests.rl_parity import parity_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 # Small shapes: 8 rows (2 prompts x 4 samples) of 80 tokens, 6-token answers, one teacher slot of 128.
@@ -42,46 +39,6 @@ TINY = ["model.rope.factor=16", "model.rope.max_position_embeddings=256", "model
         "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8", "rollout.max_new_tokens=6",
         "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128", "warm_start.steps=0",
         "progress=false", "checkpoint.async_save=false"]
-
-
-class ParityEnv:
-    """Single turn: reward 1 when the answer's first character has an even code point (about 1 in 4
-    for a random byte-level model), else 0 and the turn is flagged. Tasks whose id holds 'crash' raise in
-    step(); 'hang' sleeps `hang_s` first (longer than the rollout timeout); 'cheat' edits a test file."""
-
-    tools = ()
-
-    def __init__(self, hang_s: float = 0.0):
-        self.fmt, self.hang_s = get_format("plain"), hang_s
-
-    @property
-    def hint_context(self):
-        return HintContext((), "")
-
-    def reset(self, task):
-        self.task = task
-        return [{"role": "user", "content": task.prompt}]
-
-    def step(self, text):
-        if "crash" in self.task.id:
-            raise RuntimeError("the environment crashed")
-        if "hang" in self.task.id:
-            time.sleep(self.hang_s)
-        reward = float(bool(text) and ord(text[0]) % 2 == 0)
-        flags = [] if reward else [Flag(NO_ACTION, "odd")]
-        if "cheat" in self.task.id:       # what the reward-hacking monitor catches
-            flags.append(Flag(TEST_FILE_EDIT, "tests/test_a.py"))
-        return [], True, {"turn": 1, "flags": flags, "task_reward": reward, "turns": 1, "tool_calls": 0,
-                          "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
-
-
-def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0) -> TaskSets:
-    tasks = toy_tasks("copy", 6, seed=5, length=2)
-    if crash_and_hang:
-        tasks[0] = dataclasses.replace(tasks[0], id="crash-0")
-        tasks[1] = dataclasses.replace(tasks[1], id="hang-1")
-        tasks[2] = dataclasses.replace(tasks[2], id="cheat-2")
-    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace")
 
 
 def _config(run_dir, *overrides):
@@ -116,8 +73,7 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
             temperature=r.temperature, max_new_tokens=r.max_new_tokens, max_slots=r.max_slots,
             max_len=engine_context(cfg, trainer.tokenizer, get_format("plain")),
             steps_per_call=r.steps_per_call, format="plain"))
-        producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler,
-                                   GroupAssembler(cfg.rl.group_size, sampler, feedback=carries_feedback), cfg)
+        producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler, group_assembler(cfg, sampler), cfg)
         try:
             for step in range(steps):
                 policy = nnx.merge(trainer.rl_step.graphdef, state.params, state.biases, trainer.rl_step.rest)
@@ -126,7 +82,7 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
                 state, metrics = trainer.rl_step(state, produced.batch)
                 metrics = jax.device_get(metrics)
                 ours = records[step]
-                assert ours["trained_draws"] == [g.prompt.draw for g in produced.groups]
+                assert ours["trained_draws"] == [p.draw for p in produced.trained]
                 assert ours["reward_mean"] == produced.metrics["reward_mean"]
                 for name in ("loss", "loss_pg", "loss_sd", "grad_norm"):
                     assert ours[name] == pytest.approx(float(metrics[name]), rel=1e-6, abs=1e-9), (step, name)

@@ -1,4 +1,4 @@
-"""Training commands: `pretrain`, `sft`, `rl`, `plot`, and `config show|keys`."""
+"""Training commands: `pretrain`, `sft`, `rl`, `rl-engine`, `plot`, and `config show|keys`."""
 
 from __future__ import annotations
 
@@ -121,7 +121,8 @@ def _add_sft(sub) -> None:
     _add_training(sub, "sft", "sft-tiny", "supervised fine-tuning on conversations (loss on assistant tokens)")
 
 
-def _run_rl(args) -> int:
+def _load_rl(args):
+    """The RL run config of `rl` / `rl-engine`, fake CPU devices set up before JAX starts."""
     from composer_jax.rl.run_config import load_rl_config
 
     if "=" in args.config:  # `composer-jax rl rl.steps=5`: an override, not a config
@@ -129,10 +130,20 @@ def _run_rl(args) -> int:
     cfg = load_rl_config(args.config, args.overrides)
     use_cpu_devices(cfg.cpu_devices)
     quiet_logging()
+    return cfg
+
+
+def _run_rl(args) -> int:
+    cfg = _load_rl(args)
+    from composer_jax.rl.exchange import ExchangeError
     from composer_jax.rl.loop import train_rl
     from composer_jax.train.lifecycle import interrupted_line
 
-    s = train_rl(cfg)
+    try:
+        s = train_rl(cfg)
+    except ExchangeError as e:   # the engine process failed or is silent
+        print(f"composer-jax rl: error: {e}", file=sys.stderr)
+        return 1
     if "interrupted" in s:
         print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
         return s["exit_status"]
@@ -154,6 +165,35 @@ def _add_rl(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="dotted config overrides, e.g. rl.steps=20 rollout.devices=2")
     p.set_defaults(run=_run_rl, default_config=default)
+
+
+def _run_rl_engine(args) -> int:
+    cfg = _load_rl(args)
+    from composer_jax.rl.exchange import ExchangeError
+    from composer_jax.rl.remote_engine import serve
+
+    try:
+        s = serve(cfg)
+    except ExchangeError as e:   # the learner is silent, or the config is not a directory-transport run
+        print(f"composer-jax rl-engine: error: {e}", file=sys.stderr)
+        return 1
+    print(f"rl-engine: {s['batches']} batches, {s['sessions']} learner session(s), weight versions loaded "
+          f"{'; '.join(', '.join(map(str, v)) for v in s['versions'])}")
+    return 0
+
+
+def _add_rl_engine(sub) -> None:
+    default = "rl-tiny"
+    help_text = "the rollout engine of an RL run as a separate process (rollout.transport=directory)"
+    p = sub.add_parser("rl-engine", help=help_text,
+                       description=f"{help_text}: start it with the learner's config (`composer-jax rl`); it takes "
+                                   "weight versions from rollout.exchange_dir and writes batches there, and exits "
+                                   "when the learner stops.")
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"the learner's RL run YAML path or bundled config name (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="the learner's dotted overrides, e.g. rollout.transport=directory")
+    p.set_defaults(run=_run_rl_engine, default_config=default)
 
 
 def _run_plot(args) -> int:

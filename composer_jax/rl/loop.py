@@ -9,7 +9,10 @@ newest weights it has; no trained batch is older than `rl.max_staleness` version
 be is dropped and counted). After each step the learner copies its parameters device to device into
 the engine's layout (`Engine.place_weights`) and publishes them; the engine installs them between
 batches without recompiling. By default the engine shares the learner's devices; `rollout.devices=K`
-puts it on its own K devices and the learner's dual grid on the rest.
+puts it on its own K devices and the learner's dual grid on the rest; `rollout.transport=directory`
+runs it in a process of its own (`composer-jax rl-engine`, `rl.remote_engine`): the learner then
+writes each version's parameters to the exchange directory and reads the batches from there
+(`rl.exchange.LearnerExchange`, the producer's calls).
 
 Everything a run writes lives in RUN_DIR: `config.yaml`, `metrics.jsonl` + `tb/` (one line per step:
 policy version, staleness, rewards and their components, pass rate, loss terms, KL, entropy,
@@ -34,15 +37,15 @@ from flax import nnx
 
 from composer_jax.config import ConfigError, MeshConfig, to_dict
 from composer_jax.data.tokenizer import ByteTokenizer
-from composer_jax.envs import cut_examples, get_format, write_examples
+from composer_jax.envs import cut_examples, write_examples
 from composer_jax.eval import EvalConfig, evaluate
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.eval.engine_agent import EngineAgent
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
-from composer_jax.rl.groups import GroupAssembler
+from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.ingest import data_shards
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, carries_feedback, engine_context
+from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, group_assembler
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.step import RLStep
@@ -165,24 +168,21 @@ class RLTrainer:
         ids = list(self.tasks.train)
         self.sampler = (TaskSampler(ids, cfg.sampler) if data is None
                         else TaskSampler.from_state(data["sampler"], ids, cfg.sampler))
-        feedback = carries_feedback if cfg.rl.sd_coef > 0 and cfg.rollout.feedback_slots else None
-        self.groups = GroupAssembler(cfg.rl.group_size, self.sampler, on_lost=cfg.rollout.on_lost,
-                                     max_refills=cfg.rollout.max_refills, feedback=feedback)
+        self.groups = group_assembler(cfg, self.sampler)
         if data is not None:
             self.groups.load_state(data["groups"])
-        self.agent = self._engine_agent(model, engine_devices)
+        self.remote = cfg.rollout.transport == "directory"
+        # With the directory transport the engine runs elsewhere; an engine for the held-out evaluation is
+        # built here when one runs.
+        self.agent = None if self.remote else self._engine_agent(model, engine_devices)
 
-    def _engine_agent(self, model: CausalLM, engine_devices: list | None) -> EngineAgent:
-        r = self.cfg.rollout
-        context = engine_context(self.cfg, self.tokenizer, get_format(self.cfg.env.format))
-        config = EngineAgentConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                   max_new_tokens=r.max_new_tokens, max_len=context, max_slots=r.max_slots,
-                                   steps_per_call=r.steps_per_call, format=self.cfg.env.format)
-        source = model
+    def _engine_agent(self, source: CausalLM, engine_devices: list | None = None) -> EngineAgent:
+        """The in-process engine: on the learner's devices (over `source`, the learner's model), or on
+        its own (a fresh model placed there); it starts with a copy of the learner's current weights."""
         if engine_devices is not None:      # the engine's own grid; its weights come from the learner below
             source = CausalLM(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
             shard_model(source, DualMesh(MeshConfig(), engine_devices, model=self.cfg.model))
-        agent = EngineAgent(source, self.tokenizer, "policy", config)
+        agent = engine_agent(self.cfg, self.tokenizer, source)
         # A copy of the learner's current weights (restored or warm-started): its arrays are donated by the steps.
         agent.update_weights(agent.engine.place_weights(self._policy()), self.version)
         return agent
@@ -196,11 +196,27 @@ class RLTrainer:
 
     def _evaluate(self, step: int) -> dict:
         held_out = self.tasks.held_out
+        if self.remote:
+            if self.agent is None:
+                self.agent = self._engine_agent(self._policy())
+            else:
+                self.agent.update_weights(self.agent.engine.place_weights(self._policy()), self.version)
         summary = evaluate(self.agent, held_out, self.run_dir / "eval" / f"step-{step}",
                            EvalConfig(samples=1, workers=min(len(held_out), self.cfg.rollout.max_slots),
                                       max_turns=self.cfg.env.max_turns, seed=self.cfg.seed),
                            make_env=self.tasks.make_env)
         return {"eval_pass@1": summary.scores["pass@1"].value, "eval_version": float(self.agent.version)}
+
+    def _rollouts(self, start: int) -> RolloutProducer | LearnerExchange:
+        """Where batches come from: the producer thread, or the engine process through the exchange directory
+        (it starts from this sampler and group state)."""
+        if self.remote:
+            r = self.cfg.rollout
+            return LearnerExchange(r.exchange_dir, start_index=start, sampler_state=self.sampler.state_dict(),
+                                   group_counts=self.groups.state_dict(), timeout_s=r.engine_timeout_s,
+                                   settings=engine_settings(self.cfg))
+        return RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, self.cfg,
+                               start_index=start, workspace=self.tasks.workspace)
 
     def _save(self, step: int, produced: ProducedBatch) -> None:
         self.checkpoints.save(step, self.state, {"sampler": produced.sampler_state, "groups": produced.group_counts},
@@ -217,15 +233,17 @@ class RLTrainer:
         writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=keep_through)
         cut_examples(self.run_dir / "monitor.jsonl", keep_through)
         progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress)
-        producer = RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, cfg,
-                                   start_index=start, workspace=self.tasks.workspace)
+        producer = self._rollouts(start)
         overlap, rewards, dropped_stale = Overlap(), [], 0
         summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce,
                    "warm_start_s": self.warm_s}
         saved, last = self.resumed_from, None
         t_begin = time.perf_counter()
-        progress.status("compiling the engine and the RL step")
+        progress.status("compiling the engine and the RL step" if not self.remote else
+                        f"compiling the RL step; batches from `composer-jax rl-engine` via {cfg.rollout.exchange_dir}")
         producer.start()
+        if self.remote:
+            producer.publish(nnx.state(self._policy()), start)
         try:
             with StopSignals(progress.note) as stop, self.dual:
                 while step < cfg.rl.steps and not stop.requested:
@@ -235,14 +253,14 @@ class RLTrainer:
                     if stale.size and stale.max() > cfg.rl.max_staleness:   # never trained on
                         dropped_stale += 1
                         continue
-                    began = time.perf_counter()
+                    began = time.time()
                     batch = produced.batch if self.reference is None else self.reference.annotate(produced.batch)
                     self.state, step_metrics = self.rl_step(self.state, batch)
-                    snapshot = self.agent.engine.place_weights(self._policy())   # before the next step donates
-                    jax.block_until_ready(snapshot)
-                    producer.publish(snapshot, step + 1)
+                    # A copy before the next step donates the arrays: on the host (directory) or in the engine's layout.
+                    producer.publish(nnx.state(self._policy()) if self.remote else
+                                     jax.block_until_ready(self.agent.engine.place_weights(self._policy())), step + 1)
                     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-                    ended = time.perf_counter()
+                    ended = time.time()
                     overlap.add("learner", (began, ended))
                     if step == start:
                         overlap.start(ended)
@@ -258,9 +276,9 @@ class RLTrainer:
                               **overlap.fractions(ended),
                               "dropped_stale_batches": float(dropped_stale),
                               "batch_draws": produced.draws,
-                              "trained_draws": [g.prompt.draw for g in produced.groups],
-                              "trained_tasks": [g.prompt.task_id for g in produced.groups],
-                              "feedback_only_draws": [g.prompt.draw for g in produced.groups if g.feedback_only]}
+                              "trained_draws": [p.draw for p in produced.trained],
+                              "trained_tasks": [p.task_id for p in produced.trained],
+                              "feedback_only_draws": produced.feedback_only}
                     write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
                                    episode_ids=[k for k, _ in produced.reports])
                     if cfg.eval.every and self.tasks.held_out and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
@@ -281,7 +299,7 @@ class RLTrainer:
             wall = time.perf_counter() - t_begin
             fifth = max(1, len(rewards) // 5)
             summary.update(end_step=step, wall_s=wall, dropped_stale_batches=dropped_stale,
-                           overlap_fraction=overlap.fractions(time.perf_counter())["overlap_fraction"])
+                           overlap_fraction=overlap.fractions(time.time())["overlap_fraction"])
             if rewards:
                 summary.update(first_fifth_reward=float(np.mean(rewards[:fifth])),
                                last_fifth_reward=float(np.mean(rewards[-fifth:])))
@@ -290,7 +308,8 @@ class RLTrainer:
                 summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
         finally:
             producer.stop()
-            self.agent.close()
+            if self.agent is not None:
+                self.agent.close()
             progress.close()
             writer.close()
             self.checkpoints.close()

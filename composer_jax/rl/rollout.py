@@ -10,7 +10,9 @@ Bounded staleness: batch i is trained when the learner is at policy version i. T
 batch i only once version i - max_staleness is published, and installs the newest published weights
 in the engine (`EngineAgent.update_weights`, in place, no recompilation) between batches, so every
 token of batch i comes from a version in [i - max_staleness, i] (each records its own version). With
-max_staleness = 0 it waits for the learner before every batch: a synchronous loop.
+max_staleness = 0 it waits for the learner before every batch: a synchronous loop. That loop,
+`run_batches`, is also the rollout engine process's (`rl.remote_engine`), with weights from and
+batches to the exchange directory instead of the learner's thread.
 
 One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
 episode in its own thread, all turns decoding together in the engine's slots). An episode that raises
@@ -34,7 +36,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from composer_jax.config import ConfigError
-from composer_jax.envs import Monitor, Report, TokenEpisode, monitor_counts, rollout_fields
+from composer_jax.envs import Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields
+from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.eval.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
@@ -65,18 +68,27 @@ def carries_feedback(sample: Sample) -> bool:
     return any(turn.hint for turn in sample.rollout.episode.turns)
 
 
+def group_assembler(cfg: RLRunConfig, sampler: TaskSampler) -> GroupAssembler:
+    """The run's group assembler: groups with equal rewards are kept for their hinted turns when the
+    step trains on them (self-distillation on, teacher slots in the batch)."""
+    feedback = carries_feedback if cfg.rl.sd_coef > 0 and cfg.rollout.feedback_slots else None
+    return GroupAssembler(cfg.rl.group_size, sampler, on_lost=cfg.rollout.on_lost,
+                          max_refills=cfg.rollout.max_refills, feedback=feedback)
+
+
 @dataclasses.dataclass
 class ProducedBatch:
     index: int                  # the policy version that trains on it (the step it is for)
     batch: RolloutBatch
     draws: list[int]            # the draw numbers of every prompt drawn for it (consumed, trained or dropped)
-    groups: list[Group]         # the trained groups, by draw
+    trained: list[Prompt]       # the prompts of the trained groups, by draw
+    feedback_only: list[int]    # the draws among them trained for their hinted turns alone (equal rewards)
     row_versions: np.ndarray    # int[2, B]: oldest and newest weights version among each row's tokens (-1: padding)
     metrics: dict               # rollout statistics of the batch (all finished episodes, trained or not)
     reports: list[tuple[str, Report]]   # (episode key, monitor report) of every finished episode
     sampler_state: dict         # the sampler once this batch's groups were recorded (what a checkpoint keeps)
     group_counts: dict
-    busy: tuple[float, float]   # perf_counter() interval spent producing it
+    busy: tuple[float, float]   # time.time() interval spent producing it (comparable across processes and hosts)
 
 
 def engine_context(cfg: RLRunConfig, tokenizer, fmt) -> int:
@@ -86,6 +98,17 @@ def engine_context(cfg: RLRunConfig, tokenizer, fmt) -> int:
     if context < 2:
         raise ConfigError("rollout.max_len", f"{cfg.rollout.max_len} tokens leave no room for a turn")
     return context
+
+
+def engine_agent(cfg: RLRunConfig, tokenizer, model) -> EngineAgent:
+    """The rollout engine's agent over `model` (a CausalLM placed where the engine runs; it compiles
+    for that layout) with the rollout settings."""
+    r = cfg.rollout
+    config = EngineAgentConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                               max_new_tokens=r.max_new_tokens, max_len=engine_context(cfg, tokenizer,
+                                                                                      get_format(cfg.env.format)),
+                               max_slots=r.max_slots, steps_per_call=r.steps_per_call, format=cfg.env.format)
+    return EngineAgent(model, tokenizer, "policy", config)
 
 
 def padding_rows(rows: int, seq_len: int, first_group: int, group_size: int, slots: int, window: int) -> dict:
@@ -217,23 +240,36 @@ class RolloutProducer:
 
     def _loop(self) -> None:
         try:
-            while not self._stop.is_set():
-                with self._cond:
-                    while not self._stop.is_set() and self._published[1] < self.index - self.cfg.rl.max_staleness:
-                        self._cond.wait()
-                    weights, version = self._published
-                if self._stop.is_set():
-                    return
-                if weights is not None and version != self.agent.version:
-                    self.agent.update_weights(weights, version)
-                produced = self.produce(self.index)
-                if produced is None:      # stopped mid-batch
-                    return
-                self._out.put(produced)
-                self.index += 1
+            self.run_batches(self._wait_published, self._out.put)
         except BaseException as e:       # handed to the learner by next_batch
             self._failure = e
             self._out.put(None)
+
+    def _wait_published(self, min_version: int) -> tuple[object, int] | None:
+        """The newest published (weights, version) once its version is >= min_version; None if stopped."""
+        with self._cond:
+            while not self._stop.is_set() and self._published[1] < min_version:
+                self._cond.wait()
+            return None if self._stop.is_set() else self._published
+
+    def run_batches(self, wait_weights: Callable[[int], tuple[object, int] | None],
+                    deliver: Callable[[ProducedBatch], None]) -> None:
+        """Produce batches from `self.index` on until stopped: batch i starts once `wait_weights(i -
+        max_staleness)` returns the newest (weights, version) with version >= i - max_staleness (weights
+        None: the engine already holds that version), which are installed first; `deliver` takes each
+        batch. The thread's loop and the remote engine's (`rl.remote`) are this one."""
+        while not self._stop.is_set():
+            published = wait_weights(self.index - self.cfg.rl.max_staleness)
+            if published is None:
+                return
+            weights, version = published
+            if weights is not None and version != self.agent.version:
+                self.agent.update_weights(weights, version)
+            produced = self.produce(self.index)
+            if produced is None:      # stopped mid-batch
+                return
+            deliver(produced)
+            self.index += 1
 
     def _episode(self, prompt: Prompt, sample: int, index: int, in_env: dict) -> Rollout:
         env = TimedEnv(self.make_env(), in_env, (prompt.draw, sample))
@@ -253,7 +289,7 @@ class RolloutProducer:
 
     def produce(self, index: int) -> ProducedBatch | None:
         """One batch for policy version `index` (None if stopped meanwhile)."""
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         before = dict(self.groups.counts)
         prompts = self.sampler.draw(self.cfg.prompts_per_step)
         results: queue.Queue = queue.Queue()
@@ -322,6 +358,7 @@ class RolloutProducer:
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
-        return ProducedBatch(index, batch, [p.draw for p in prompts], trainable, versions, metrics,
-                             [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),
-                             self.groups.state_dict(), (start, time.perf_counter()))
+        return ProducedBatch(index, batch, [p.draw for p in prompts], [g.prompt for g in trainable],
+                             [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics, [(x.key, x.report) for x in finished],
+                             json.loads(json.dumps(self.sampler.state_dict())), self.groups.state_dict(),
+                             (began, time.time()))

@@ -6,6 +6,7 @@ model is inlined, `a.b=value` overrides, errors name the dotted key)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,11 @@ class RolloutConfig:
     max_refills: int = 2            # refills per group before it is dropped
     feedback_slots: int = 1         # teacher slots per trajectory (flagged turns with a hint)
     feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn
+    # thread: the engine runs in the learner's process; directory: in its own (`composer-jax rl-engine`, same
+    # config), exchanging weight versions and batches through files in exchange_dir (rl/exchange.py)
+    transport: Literal["thread", "directory"] = "thread"
+    exchange_dir: str = ""          # directory transport: a directory both processes see ("": RUN_DIR/exchange)
+    engine_timeout_s: float = 600.0  # directory transport: the learner's wait for a batch, the engine's for weights
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
@@ -47,8 +53,12 @@ class RolloutConfig:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.max_len < 8:
             raise ConfigError("max_len", f"must be >= 8, got {self.max_len}")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s", f"must be > 0, got {self.timeout_s}")
+        for name in ("timeout_s", "engine_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.transport == "directory" and self.devices:
+            raise ConfigError("devices", f"must be 0 with transport=directory (the engine uses its own process's "
+                                         f"devices), got {self.devices}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
 
@@ -152,4 +162,22 @@ def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
         repo = str(CONFIG_DIR / repo)
     env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir),
                               repo=absolute(repo))
-    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env)
+    rollout = cfg.rollout
+    if rollout.transport == "directory":
+        exchange = absolute(rollout.exchange_dir) or str(Path(absolute(cfg.run_dir)) / "exchange")
+        _check_writable(exchange, must_exist=bool(rollout.exchange_dir))
+        rollout = dataclasses.replace(rollout, exchange_dir=exchange)
+    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env, rollout=rollout)
+
+
+def _check_writable(directory: str, must_exist: bool) -> None:
+    """The exchange directory (one given explicitly must exist: it is shared, a missing one is a wrong
+    path or a missing mount) or, for one made under RUN_DIR, its nearest existing parent, is writable."""
+    path = Path(directory)
+    if must_exist and not path.is_dir():
+        raise ConfigError("rollout.exchange_dir", f"{directory}: does not exist or is not a directory (it must be "
+                                                  "shared by the learner and the engine)")
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("rollout.exchange_dir", f"{path}: not a writable directory")

@@ -1,0 +1,303 @@
+"""The directory transport between the RL learner and a rollout engine in another process
+(`rollout.transport=directory`; the engine: `composer-jax rl-engine`, `rl.remote_engine`).
+
+The exchange directory (`rollout.exchange_dir`, default RUN_DIR/exchange) lies on a filesystem both
+hosts see:
+
+    session.json                      the learner's running session: id, first batch index, sampler and group state
+    <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array);
+                                      the newest KEEP_VERSIONS kept
+    <session>/batches/<index>.npz     one ProducedBatch for policy version `index`; removed once the learner read it
+    <session>/stop                    the learner is done: the engine exits
+    <session>/engine-failed           the engine's one-line failure: the learner stops with it
+
+Every file is written under a hidden temporary name in its directory, then renamed (atomic on POSIX):
+a reader sees a whole file or none. Files are npz (arrays) with one JSON member (`__meta__`) for the
+rest; nothing is pickled. A restarted learner starts a new session (and removes the previous one), so
+an engine never mixes weights or batches of two runs; a running engine follows the new session.
+
+Why not device to device: `jax.experimental.transfer` (a pull-based transfer server) does move an
+array between two CPU processes on jax 0.10.2 (checked: one array pulled over loopback), but it is
+experimental, has no discovery or versioning of its own and no compatibility promise across jax
+versions; versioned snapshots in a shared directory work wherever both processes see one filesystem,
+at the cost of a host round trip and a write per version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax.config import to_dict
+from composer_jax.envs.monitor import Finding, Report
+from composer_jax.rl.batch import RolloutBatch
+from composer_jax.rl.rollout import ProducedBatch
+from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.rl.sampler import Prompt
+from composer_jax.tree_paths import path_str
+
+# What the engine's batches depend on: these settings must be the learner's (paths may differ by host).
+ENGINE_SECTIONS = ("model", "rollout", "env", "rewards", "sampler", "monitor", "seed", "rl.group_size",
+                   "rl.max_staleness")
+HOST_LOCAL = {"rollout.exchange_dir", "rollout.engine_timeout_s", "rollout.devices", "env.tasks_dir", "env.eval_dir",
+              "env.repo"}
+KEEP_VERSIONS = 3           # weight versions kept in the directory (an engine may still be reading an older one)
+POLL_S = 0.1
+SESSION_FILE = "session.json"
+META = "__meta__"
+
+
+class ExchangeError(RuntimeError):
+    """The other side of the exchange failed or is silent (one line, naming it)."""
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """`data` to `path`, whole or not at all: written to a hidden temporary name beside it, then renamed."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def pack(arrays: list[np.ndarray], meta: dict) -> bytes:
+    """npz bytes: arrays a0, a1, ... and the JSON `meta`. Dtypes numpy cannot store (bfloat16, float8:
+    kind 'V') travel as unsigned integers of their width, their names in meta['dtypes']."""
+    stored, dtypes = {}, {}
+    for i, array in enumerate(arrays):
+        array = np.ascontiguousarray(array)
+        if array.dtype.kind == "V":
+            dtypes[str(i)] = array.dtype.name
+            array = array.view(f"u{array.dtype.itemsize}")
+        stored[f"a{i}"] = array
+    buffer = io.BytesIO()
+    np.savez(buffer, **stored, **{META: np.frombuffer(json.dumps({**meta, "dtypes": dtypes}).encode(), np.uint8)})
+    return buffer.getvalue()
+
+
+def unpack(path: Path) -> tuple[list[np.ndarray], dict]:
+    """(arrays, meta) of a file `pack` wrote."""
+    with np.load(path, allow_pickle=False) as npz:
+        meta = json.loads(npz[META].tobytes().decode())
+        count = len(npz.files) - 1
+        arrays = [npz[f"a{i}"] for i in range(count)]
+    for i, name in meta.pop("dtypes").items():
+        arrays[int(i)] = arrays[int(i)].view(jnp.dtype(name))
+    return arrays, meta
+
+
+# -- weights -----------------------------------------------------------------------------------------
+
+
+def write_weights(path: Path, state, version: int) -> None:
+    """The parameters `state` (an nnx.State or any pytree of arrays) as a flat parameter path -> array file."""
+    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]
+    atomic_write(path, pack([np.asarray(x) for _, x in flat], {"version": version,
+                                                                 "paths": [path_str(p) for p, _ in flat]}))
+
+
+def read_weights(path: Path, like):
+    """(a pytree shaped like `like` holding the file's arrays, version): every parameter of `like` by its
+    path; shapes and dtypes are checked where the weights are installed (`Engine.place_weights`)."""
+    arrays, meta = unpack(path)
+    by_path = dict(zip(meta["paths"], arrays))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    missing = [path_str(p) for p, _ in leaves if path_str(p) not in by_path]
+    if missing:
+        raise ExchangeError(f"{path}: no parameter '{missing[0]}' ({len(missing)} of the engine's model missing)")
+    return jax.tree_util.tree_unflatten(treedef, [by_path[path_str(p)] for p, _ in leaves]), meta["version"]
+
+
+# -- batches -----------------------------------------------------------------------------------------
+
+
+def write_batch(path: Path, produced: ProducedBatch) -> None:
+    fields = [k for k in RolloutBatch._fields if getattr(produced.batch, k) is not None]
+    meta = {"index": produced.index, "fields": fields, "draws": produced.draws,
+            "trained": [list(p) for p in produced.trained], "feedback_only": produced.feedback_only,
+            "metrics": produced.metrics,
+            "reports": [[key, [dataclasses.asdict(f) for f in report.findings]] for key, report in produced.reports],
+            "sampler_state": produced.sampler_state, "group_counts": produced.group_counts,
+            "busy": list(produced.busy)}
+    atomic_write(path, pack([*(getattr(produced.batch, k) for k in fields), produced.row_versions], meta))
+
+
+def read_batch(path: Path) -> ProducedBatch:
+    arrays, meta = unpack(path)
+    batch = RolloutBatch(**dict(zip(meta["fields"], arrays)))
+    return ProducedBatch(meta["index"], batch, meta["draws"], [Prompt(*p) for p in meta["trained"]],
+                         meta["feedback_only"], arrays[-1], meta["metrics"], [(key, Report(tuple(Finding(**f) for f in findings)))
+                                           for key, findings in meta["reports"]],
+                         meta["sampler_state"], meta["group_counts"], tuple(meta["busy"]))
+
+
+# -- the settings both sides must share ---------------------------------------------------------------
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()} if tree else {}
+
+
+def engine_settings(cfg: RLRunConfig) -> dict:
+    """The dotted settings the engine's batches depend on (ENGINE_SECTIONS, host-local paths left out), in
+    their JSON form (as the session file carries them)."""
+    flat = {k.rstrip("."): v for k, v in _flatten(to_dict(cfg)).items()}
+    return json.loads(json.dumps({k: v for k, v in flat.items() if k not in HOST_LOCAL
+                                  and any(k == s or k.startswith(s + ".") for s in ENGINE_SECTIONS)}))
+
+
+def check_same_settings(learner: dict, engine: dict) -> None:
+    """ExchangeError naming the first setting where the engine's config differs from the learner's."""
+    for key in sorted(learner.keys() | engine.keys()):
+        if learner.get(key) != engine.get(key):
+            raise ExchangeError(f"the engine's config differs from the learner's at '{key}' ({engine.get(key)!r}, "
+                                f"the learner's {learner.get(key)!r}): start both with the same config and overrides")
+
+
+# -- the directory ------------------------------------------------------------------------------------
+
+
+def _numbered(directory: Path) -> list[int]:
+    """The numbers of the whole files `<n>.npz` in `directory`, ascending (temporary files skipped)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.stem) for p in directory.glob("[0-9]*.npz"))
+
+
+def _file(directory: Path, n: int) -> Path:
+    return directory / f"{n:08d}.npz"
+
+
+def read_session(root: Path) -> dict | None:
+    try:
+        return json.loads((root / SESSION_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+class LearnerExchange:
+    """The learner's side, with the calls of RolloutProducer's learner side (start, publish, next_batch,
+    stop). `start_index`: the first batch's policy version; the sampler and group state the engine
+    starts from (the checkpoint's on a resumed run); `timeout_s`: how long next_batch waits;
+    `settings`: the learner's `engine_settings`, which the engine checks its own against."""
+
+    def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
+                 timeout_s: float, settings: dict | None = None):
+        self.root, self.index, self.timeout_s = Path(root), start_index, timeout_s
+        self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
+                        "groups": group_counts, "settings": settings or {}}
+        self.dir = self.root / self.session["session"]
+
+    def start(self) -> None:
+        """Open a new session (the previous run's removed: only the one session.json names, since the
+        directory may hold other files)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        previous = read_session(self.root)
+        if previous is not None:
+            shutil.rmtree(self.root / previous["session"], ignore_errors=True)
+        (self.dir / "weights").mkdir(parents=True)
+        (self.dir / "batches").mkdir()
+        atomic_write(self.root / SESSION_FILE, json.dumps(self.session).encode())
+
+    def publish(self, state, version: int) -> None:
+        """Policy parameters (copied to the host now: the next step may donate them) at `version`."""
+        write_weights(_file(self.dir / "weights", version), state, version)
+        for old in _numbered(self.dir / "weights")[:-KEEP_VERSIONS]:
+            _file(self.dir / "weights", old).unlink(missing_ok=True)
+
+    def next_batch(self) -> ProducedBatch:
+        """The batch for the next index (waits up to timeout_s; ExchangeError if the engine failed or is silent)."""
+        path, deadline = _file(self.dir / "batches", self.index), time.monotonic() + self.timeout_s
+        while not path.exists():
+            failed = self.dir / "engine-failed"
+            if failed.exists():
+                raise ExchangeError(f"the rollout engine failed: {failed.read_text().strip()}")
+            if time.monotonic() > deadline:
+                raise ExchangeError(f"no batch {self.index} from the rollout engine (composer-jax rl-engine) in "
+                                    f"{self.timeout_s:g} s (rollout.engine_timeout_s) in {self.dir.parent}: "
+                                    "is it running with the same config?")
+            time.sleep(POLL_S)
+        produced = read_batch(path)
+        path.unlink()
+        self.index += 1
+        return produced
+
+    def stop(self) -> None:
+        if self.dir.is_dir():
+            atomic_write(self.dir / "stop", b"")
+
+
+class EngineExchange:
+    """The engine's side of one learner session: waits for weight versions (`wait_weights`), writes
+    batches (`deliver`), sees the session end (`ended`)."""
+
+    def __init__(self, root: str | Path, session: dict, like, timeout_s: float):
+        self.root, self.session, self.like, self.timeout_s = Path(root), session, like, timeout_s
+        self.dir = self.root / session["session"]
+        self.loaded: int | None = None      # the version installed from this session
+        self.versions: list[int] = []       # every version loaded, in order
+
+    @staticmethod
+    def wait_session(root: str | Path, timeout_s: float, after: str | None = None) -> dict:
+        """The learner's session (one other than `after`); ExchangeError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            session = read_session(Path(root))
+            if session is not None and session["session"] != after:
+                return session
+            if time.monotonic() > deadline:
+                raise ExchangeError(f"no {'new ' if after else ''}learner session in {root} in {timeout_s:g} s "
+                                    "(rollout.engine_timeout_s): is `composer-jax rl` running with the same config?")
+            time.sleep(POLL_S)
+
+    def ended(self) -> bool:
+        """The learner stopped, or a new learner session replaced this one."""
+        current = read_session(self.root)
+        return (self.dir / "stop").exists() or current is None or current["session"] != self.session["session"]
+
+    def wait_weights(self, min_version: int) -> tuple[object, int] | None:
+        """The newest weights once their version is >= min_version ((None, version) when that version is
+        already loaded); None once the session ended; ExchangeError after timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.ended():
+            versions = _numbered(self.dir / "weights")
+            if versions and versions[-1] >= min_version:
+                if versions[-1] == self.loaded:
+                    return None, self.loaded
+                try:
+                    weights, version = read_weights(_file(self.dir / "weights", versions[-1]), self.like)
+                except FileNotFoundError:     # pruned meanwhile: a newer one is there
+                    continue
+                self.loaded = version
+                self.versions.append(version)
+                return weights, version
+            if time.monotonic() > deadline:
+                raise ExchangeError(f"no weights version >= {min_version} from the learner in {self.timeout_s:g} s "
+                                    f"(rollout.engine_timeout_s) in {self.dir}")
+            time.sleep(POLL_S)
+        return None
+
+    def deliver(self, produced: ProducedBatch) -> None:
+        try:
+            write_batch(_file(self.dir / "batches", produced.index), produced)
+        except FileNotFoundError:       # a new learner session removed this one's directory
+            if not self.ended():
+                raise
+
+    def fail(self, reason: str) -> None:
+        """Tell the learner why the engine stops (one line)."""
+        if self.dir.is_dir():
+            atomic_write(self.dir / "engine-failed", reason.encode())

@@ -1,0 +1,210 @@
+"""The rollout engine in a separate process (rollout.transport=directory, rl/exchange.py): weight
+snapshots and batch files round-trip exactly, a half-written file is never read; an engine process
+(its own JAX runtime and devices) takes the learner's weight versions and its batches train the
+learner within the staleness bound, and a resumed learner hands it the checkpoint's sampler state;
+bad settings, a silent engine and a silent learner are one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax import cli
+from composer_jax.envs.monitor import Finding, Report
+from composer_jax.model import CausalLM
+from composer_jax.rl import exchange as exchange_lib
+from composer_jax.rl.batch import RolloutBatch
+from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
+                                      engine_settings, read_batch, read_weights, write_batch, write_weights)
+from composer_jax.rl.loop import RLTrainer
+from composer_jax.rl.rollout import ProducedBatch
+from composer_jax.rl.run_config import load_rl_config
+from composer_jax.rl.sampler import Prompt, TaskSampler
+from composer_jax.train.metrics import read_metrics
+from tests.rl_parity import parity_tasks
+from tests.test_rl_loop import TINY
+
+REPO = Path(__file__).resolve().parents[1]
+REMOTE = ["rollout.transport=directory"]
+
+
+def _config(run_dir, *overrides):
+    return load_rl_config("rl-tiny", [*TINY, f"run_dir={run_dir}", *REMOTE, *overrides])
+
+
+def test_weight_snapshot_round_trip(tmp_path):
+    """The tiny model's parameters, some in bfloat16 (stored as uint16), come back bit for bit in the
+    structure asked for; a parameter the file lacks is an error naming it."""
+    cfg = _config(tmp_path)
+    state = nnx.state(CausalLM(cfg.model, rngs=nnx.Rngs(3)))
+    leaves, treedef = jax.tree.flatten(state)
+    state = jax.tree.unflatten(treedef, [x.astype(jnp.bfloat16) if i % 3 == 0 else x for i, x in enumerate(leaves)])
+    write_weights(tmp_path / "w.npz", state, 7)
+    back, version = read_weights(tmp_path / "w.npz", state)
+    assert version == 7 and jax.tree.structure(back) == jax.tree.structure(state)
+    for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        assert got.dtype == want.dtype and np.array_equal(np.asarray(got).view(np.uint8),
+                                                          np.asarray(want).view(np.uint8))
+    write_weights(tmp_path / "part.npz", {"embed": np.zeros(3)}, 1)
+    with pytest.raises(ExchangeError, match=r"no parameter '\w+"):
+        read_weights(tmp_path / "part.npz", state)
+
+
+def _produced() -> ProducedBatch:
+    rng = np.random.default_rng(0)
+    b, s, k, t = 4, 10, 1, 6
+    batch = RolloutBatch(tokens=rng.integers(0, 256, (b, s), np.int32),
+                         positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)), segment_ids=np.ones((b, s), np.int32),
+                         generated=rng.random((b, s)) < 0.5, behaviour_logprobs=-rng.random((b, s), np.float32),
+                         rewards=rng.random(b, np.float32), group_ids=np.array([0, 0, 1, 1], np.int32),
+                         teacher_tokens=rng.integers(0, 256, (b, k, t), np.int32),
+                         teacher_map=np.full((b, k, t), -1, np.int32))
+    sampler = TaskSampler(["a", "b", "c"])
+    prompts = sampler.draw(2)
+    report = Report((Finding("test_files", 0, "edit", "tests/test_a.py"), Finding("no_action", 1, "", "")))
+    return ProducedBatch(5, batch, [p.draw for p in prompts], prompts[:1], [prompts[0].draw], np.array([[3, 4, -1, -1], [4, 4, -1, -1]]),
+                         {"reward_mean": 0.1 + 0.2, "rollouts": 4.0}, [("0/0", report), ("0/1", Report())],
+                         sampler.state_dict(), {"counts": {"trainable": 1, "dropped_equal": 0}}, (1.5e9, 1.5e9 + 0.25))
+
+
+def test_batch_file_round_trips_every_field(tmp_path):
+    produced = _produced()
+    write_batch(tmp_path / "b.npz", produced)
+    back = read_batch(tmp_path / "b.npz")
+    for name in ProducedBatch.__dataclass_fields__:
+        want, got = getattr(produced, name), getattr(back, name)
+        if name == "batch":
+            for field in RolloutBatch._fields:
+                a, b = getattr(want, field), getattr(got, field)
+                assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b)), field
+        elif isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
+        else:
+            assert got == want, name
+    assert isinstance(back.trained[0], Prompt) and back.reports[0][1].flagged
+
+
+def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
+    """A writer that dies before its rename leaves only a hidden temporary file: the learner keeps
+    waiting (then times out) instead of reading it; the completed write is read."""
+    learner = LearnerExchange(tmp_path, start_index=5, sampler_state={}, group_counts={}, timeout_s=0.5)
+    learner.start()
+    target = learner.dir / "batches" / "00000005.npz"
+
+    def crash(*args):
+        raise OSError("killed before the rename")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(exchange_lib.os, "replace", crash)
+        with pytest.raises(OSError, match="killed"):
+            write_batch(target, _produced())
+    assert not target.exists() and len(list(target.parent.iterdir())) == 1      # the temporary file only
+    with pytest.raises(ExchangeError, match="no batch 5 from the rollout engine"):
+        learner.next_batch()
+    write_batch(target, _produced())
+    assert learner.next_batch().index == 5 and not target.exists()
+
+
+def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_path):
+    """A restarted learner removes the previous session only (the directory may hold other files) and
+    the engine side sees that session end; an engine's failure line reaches the learner at once."""
+    (tmp_path / "other").mkdir()
+    first = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=60)
+    first.start()
+    engine = EngineExchange(tmp_path, EngineExchange.wait_session(tmp_path, 1), like={}, timeout_s=60)
+    assert engine.session["session"] == first.session["session"] and not engine.ended()
+    second = LearnerExchange(tmp_path, start_index=3, sampler_state={}, group_counts={}, timeout_s=60)
+    second.start()
+    assert engine.ended() and not first.dir.exists() and (tmp_path / "other").is_dir()
+    assert EngineExchange.wait_session(tmp_path, 1, after=first.session["session"])["start"] == 3
+    EngineExchange(tmp_path, second.session, like={}, timeout_s=60).fail("RuntimeError: the engine broke")
+    with pytest.raises(ExchangeError, match="^the rollout engine failed: RuntimeError: the engine broke$"):
+        second.next_batch()
+
+
+def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):
+    """Host-local settings may differ (paths, devices, timeouts); a setting the batches depend on may not."""
+    learner = engine_settings(_config(tmp_path / "a"))
+    same = _config(tmp_path / "b", "cpu_devices=2", f"rollout.exchange_dir={tmp_path}", "rollout.engine_timeout_s=5")
+    check_same_settings(learner, engine_settings(same))
+    with pytest.raises(ExchangeError, match=r"differs from the learner's at 'rl.max_staleness' \(2, the learner's 1\)"):
+        check_same_settings(learner, engine_settings(_config(tmp_path / "a", "rl.max_staleness=2")))
+
+
+def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, monkeypatch):
+    """One engine process (2 devices) against the learner here (8 devices), rl.max_staleness=1: 3 steps,
+    then the learner dies without its stop marker (as under SIGKILL) and the same run is resumed to 5.
+    The engine loads several weight versions and follows the new learner session, starting it from
+    the checkpoint's weights (version 3) and sampler state, so the prompts drawn over the whole run are
+    each drawn once, in sequence; every step trains its batch (none refused as stale, rows trained),
+    the recorded staleness stays within 1 and the engine does run ahead."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300"]
+    engine = _engine([*overrides, "rl.steps=5"])
+    try:
+        with monkeypatch.context() as killed:
+            killed.setattr(LearnerExchange, "stop", lambda self: None)
+            first = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=3"]), parity_tasks()).run()
+        second = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=5"]), parity_tasks()).run()
+        out, err = engine.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.communicate()
+    assert engine.returncode == 0, err[-3000:]
+    served = json.loads(out.strip().splitlines()[-1])
+    assert first["end_step"] == 3 and (second["start_step"], second["end_step"]) == (3, 5)
+    assert served["sessions"] == 2 and len(set(served["versions"][0])) >= 2 and served["versions"][1][0] == 3, served
+
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert r["dropped_stale_batches"] == 0
+        assert 0 <= (r["step"] - 1) - r["batch_version_min"] == r["staleness_max"] <= 1
+    assert max(r["staleness_max"] for r in records) == 1, "the engine never ran ahead of the learner"
+    assert sum(len(r["trained_draws"]) for r in records) > 0 and all(np.isfinite(r["loss"]) for r in records)
+    draws = [d for r in records for d in r["batch_draws"]]
+    assert draws == list(range(len(draws))), draws
+
+
+@pytest.mark.parametrize("command, overrides, key", [
+    ("rl", ["rollout.exchange_dir={tmp}/missing"], "rollout.exchange_dir"),
+    ("rl-engine", ["rollout.exchange_dir={tmp}/missing"], "rollout.exchange_dir"),
+    ("rl", ["run_dir={tmp}/a_file/run"], "rollout.exchange_dir"),         # the default RUN_DIR/exchange: unwritable
+    ("rl", ["rollout.devices=2"], "rollout.devices"),
+])
+def test_bad_remote_settings_are_one_line_naming_the_key(tmp_path, capsys, command, overrides, key):
+    (tmp_path / "a_file").write_text("")
+    status = cli.main([command, *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE,
+                       *[o.format(tmp=tmp_path) for o in overrides]])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and key in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_learner_without_an_engine_stops_with_one_line(tmp_path, capsys):
+    status = cli.main(["rl", *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE, "rollout.engine_timeout_s=2"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1, err
+    assert "no batch 0 from the rollout engine (composer-jax rl-engine) in 2 s" in err
+
+
+def test_engine_without_a_learner_stops_with_one_line(tmp_path, capsys):
+    status = cli.main(["rl-engine", *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE, "rollout.engine_timeout_s=2"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1, err
+    assert "no learner session" in err and "composer-jax rl" in err
