@@ -10,8 +10,9 @@ MODEL = load_config("tiny", ["rope.max_position_embeddings=512"])
 
 
 def test_teacher_cost_follows_the_turn_not_the_trajectory():
-    """From the lowered step's HLO cost analysis (compiling 8 steps takes minutes on 2 cores; the slow
-    test below checks these numbers against the compiled step's)."""
+    """From the lowered step's HLO cost analysis (compiling takes minutes on 2 cores; the slow test
+    below checks these numbers against the compiled step's). 8 traces: a step without a flagged turn
+    is the same program for both teachers."""
     base, base_share = teacher_flops(MODEL, 32, 16, stage="lowered")
     long_context, long_share = teacher_flops(MODEL, 128, 16, stage="lowered")    # 4x the trajectory before the turn
     long_turn, _ = teacher_flops(MODEL, 32, 32, stage="lowered")                  # 2x the flagged turn
@@ -30,13 +31,10 @@ def test_teacher_cost_follows_the_turn_not_the_trajectory():
 
 @pytest.mark.slow
 def test_teacher_cost_in_the_compiled_step():
-    """The compiled step (after XLA's optimisations) gives the same picture, within 10% of the lowered
-    step's counts."""
-    flops = {}
-    for prefix in (32, 128):
-        compiled, _ = teacher_flops(MODEL, prefix, 16, stage="compiled")
-        lowered, _ = teacher_flops(MODEL, prefix, 16, stage="lowered")
-        print(f"prefix {prefix}: teacher FLOPs compiled {compiled:.3e}, lowered {lowered:.3e}")
-        assert abs(compiled - lowered) <= 0.1 * lowered
-        flops[prefix] = compiled
-    assert flops[128] / flops[32] < 1.25
+    """The compiled step (after XLA's optimisations) gives the same count as the lowered one, within
+    10%, at the longer prefix (the lowered programs are cached from the test above: only the two
+    compiles are new)."""
+    compiled, _ = teacher_flops(MODEL, 128, 16, stage="compiled")
+    lowered, _ = teacher_flops(MODEL, 128, 16, stage="lowered")
+    print(f"prefix 128: teacher FLOPs compiled {compiled:.3e}, lowered {lowered:.3e}")
+    assert abs(compiled - lowered) <= 0.1 * lowered

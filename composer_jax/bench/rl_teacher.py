@@ -6,6 +6,7 @@ whole hinted trajectory run again) on the same batch."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -34,25 +35,41 @@ def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: i
                           teacher_map=np.stack([s[1] for s in slots])[:, None])
 
 
-def step_flops(model: ModelConfig, batch: RolloutBatch, context: str, stage: str, unroll: bool = False) -> float:
-    """FLOPs of the RL step (shape-only state) on `batch` from the 'lowered' or 'compiled' program's
-    cost analysis; `unroll`: every loop counted per iteration (else a loop body counts once)."""
-    cfg = RLConfig(group_size=batch.tokens.shape[0], teacher_context=context,
-                   mtp_distill_weight=0.0)   # the teacher's cost alone
+@functools.lru_cache(maxsize=32)
+def _lowered_step(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None, context: str,
+                  unroll: bool):
+    """The RL step (shape-only state) lowered for `rollout_batch(model, rows, prefix, turn, tail, hint)`;
+    cached: tracing the step takes seconds, and a batch without a flagged turn is the same program
+    whatever `context` is (pass "prefix" for it)."""
+    batch = rollout_batch(model, rows, prefix, turn, tail, hint)
+    cfg = RLConfig(group_size=rows, teacher_context=context, mtp_distill_weight=0.0)   # the teacher's cost alone
     abstract = nnx.eval_shape(lambda: CausalLM(model, rngs=nnx.Rngs(0)))
     rl_step = RLStep(abstract, cfg)
     rl_step.validate(batch)
     state = jax.eval_shape(lambda: rl_step.init_state(CausalLM(model, rngs=nnx.Rngs(0))))
     with unrolled_loops() if unroll else contextlib.nullcontext():   # a fresh RLStep: a fresh trace
-        lowered = rl_step.jitted.lower(state, batch)
-    return flops_of(lowered.compile() if stage == "compiled" else lowered)
+        return rl_step.jitted.lower(state, batch)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_flops(*key) -> float:
+    return flops_of(_lowered_step(*key).compile())
+
+
+def step_flops(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None, context: str,
+               stage: str, unroll: bool = False) -> float:
+    """FLOPs of the RL step on `rollout_batch(model, rows, prefix, turn, tail, hint)` from the 'lowered'
+    or 'compiled' program's cost analysis; `unroll`: every loop counted per iteration (else a loop body
+    counts once)."""
+    key = (model, rows, prefix, turn, tail, hint, context if hint is not None else "prefix", unroll)
+    return _compiled_flops(*key) if stage == "compiled" else flops_of(_lowered_step(*key))
 
 
 def teacher_flops(model: ModelConfig, prefix: int, turn: int, context: str = "prefix", stage: str = "compiled",
                   rows: int = 2, hint: int = 4, tail: int = 8, unroll: bool = False) -> tuple[float, float]:
     """(FLOPs the flagged turns add to the step, that as a share of the flagged step's FLOPs)."""
-    flagged = step_flops(model, rollout_batch(model, rows, prefix, turn, tail, hint), context, stage, unroll)
-    plain = step_flops(model, rollout_batch(model, rows, prefix, turn, tail, None), context, stage, unroll)
+    flagged = step_flops(model, rows, prefix, turn, tail, hint, context, stage, unroll)
+    plain = step_flops(model, rows, prefix, turn, tail, None, context, stage, unroll)
     return flagged - plain, (flagged - plain) / flagged
 
 
