@@ -4,6 +4,15 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import tempfile  # noqa: E402
+
+# Under pytest-xdist (the suite runs on 2 workers) each worker gets its own temporary root, inherited by
+# the subprocesses it starts: tests that check for leftover temporary files see only their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _root = os.path.join(tempfile.gettempdir(), f"cjtests-{os.environ['PYTEST_XDIST_WORKER']}")
+    os.makedirs(_root, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = _root
+
 import importlib.util  # noqa: E402
 
 from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
