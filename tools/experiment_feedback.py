@@ -18,11 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-# A submit call is ~80 bytes after a ~210-byte prompt; a hint with its frame up to ~330 bytes.
+# A submit call is ~80 bytes after a ~210-byte prompt; a hint with its frame up to ~330 bytes. Plain
+# RoPE: the random tiny model learns the call's local structure far faster than under YaRN's stretched
+# positions. The 150-step warm start leaves it writing the call mostly right (greedy: 98% of the
+# demonstrations' tokens), so tool errors are common but not universal when RL starts.
 TOOL_USE = ["env.use_tool=true", "env.tasks=16", "rollout.max_new_tokens=96", "rollout.max_len=320",
             "rl.max_tokens=96", "rollout.feedback_window=448", "model.rope.max_position_embeddings=1024",
-            "model.rope.factor=64", "rollout.batch_size=16", "rl.group_size=4", "rl.steps=40", "warm_start.steps=60",
-            "warm_start.batch_size=16"]
+            "model.rope.factor=1", "model.rope.original_max_position_embeddings=1024", "rollout.batch_size=16",
+            "rl.group_size=4", "rl.steps=40", "warm_start.steps=150", "warm_start.lr=1e-2", "warm_start.batch_size=16"]
 SERIES = ("tool_error_rate", "reward_mean", "loss_sd", "flagged_turns")
 
 
