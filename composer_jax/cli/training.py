@@ -156,15 +156,20 @@ def _run_rl(args) -> int:
     return 0
 
 
-def _add_rl(sub) -> None:
+def _rl_parser(sub, name: str, help_text: str, description: str, config_help: str, overrides_help: str, run):
+    """A subcommand taking an RL run config (default: rl-tiny) and dotted overrides."""
     default = "rl-tiny"
+    p = sub.add_parser(name, help=help_text, description=description)
+    p.add_argument("config", nargs="?", default=default, help=f"{config_help} (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+    p.set_defaults(run=run, default_config=default)
+
+
+def _add_rl(sub) -> None:
     help_text = "asynchronous agent RL (rollouts by the inference engine, the fused RL step)"
-    p = sub.add_parser("rl", help=help_text, description=f"{help_text}. Resumes from RUN_DIR/checkpoints when present.")
-    p.add_argument("config", nargs="?", default=default,
-                   help=f"an RL run YAML path or a bundled config name (default: {default})")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted config overrides, e.g. rl.steps=20 rollout.devices=2")
-    p.set_defaults(run=_run_rl, default_config=default)
+    _rl_parser(sub, "rl", help_text, f"{help_text}. Resumes from RUN_DIR/checkpoints when present.",
+               "an RL run YAML path or a bundled config name", "dotted config overrides, e.g. rl.steps=20 "
+               "rollout.devices=2", _run_rl)
 
 
 def _run_rl_engine(args) -> int:
@@ -183,17 +188,12 @@ def _run_rl_engine(args) -> int:
 
 
 def _add_rl_engine(sub) -> None:
-    default = "rl-tiny"
     help_text = "the rollout engine of an RL run as a separate process (rollout.transport=directory)"
-    p = sub.add_parser("rl-engine", help=help_text,
-                       description=f"{help_text}: start it with the learner's config (`composer-jax rl`); it takes "
-                                   "weight versions from rollout.exchange_dir and writes batches there, and exits "
-                                   "when the learner stops.")
-    p.add_argument("config", nargs="?", default=default,
-                   help=f"the learner's RL run YAML path or bundled config name (default: {default})")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="the learner's dotted overrides, e.g. rollout.transport=directory")
-    p.set_defaults(run=_run_rl_engine, default_config=default)
+    _rl_parser(sub, "rl-engine", help_text,
+               f"{help_text}: start it with the learner's config (`composer-jax rl`); it takes weight versions "
+               "from rollout.exchange_dir and writes batches there, and exits when the learner stops.",
+               "the learner's RL run YAML path or bundled config name",
+               "the learner's dotted overrides, e.g. rollout.transport=directory", _run_rl_engine)
 
 
 def _run_plot(args) -> int:
