@@ -204,6 +204,14 @@ class MeshConfig:
                 raise ConfigError(grid[sizes.index(-1)], f"at most one of {grid} may be -1")
 
 
+def check_fits_model(key: str, length: int, model: ModelConfig) -> None:
+    """A run's row length `length` (config key `key`) within the positions `model` supports."""
+    limit = model.rope.max_position_embeddings
+    if length > limit:
+        raise ConfigError(key, f"{length} is longer than the model supports "
+                               f"(model.rope.max_position_embeddings={limit})")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Loading
 

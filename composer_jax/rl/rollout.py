@@ -359,6 +359,6 @@ class RolloutProducer:
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
         return ProducedBatch(index, batch, [p.draw for p in prompts], [g.prompt for g in trainable],
-                             [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics, [(x.key, x.report) for x in finished],
-                             json.loads(json.dumps(self.sampler.state_dict())), self.groups.state_dict(),
-                             (began, time.time()))
+                             [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics,
+                             [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),
+                             self.groups.state_dict(), (began, time.time()))

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig
+from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig, check_fits_model
 from composer_jax.envs.monitor import MonitorConfig
 from composer_jax.envs.protocol import FORMATS
 from composer_jax.envs.rewards import RewardConfig
@@ -140,10 +140,7 @@ class RLRunConfig:
         if self.rollout.batch_size % self.rl.group_size:
             raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories per step are not a whole "
                                                     f"number of groups of rl.group_size={self.rl.group_size}")
-        limit = self.model.rope.max_position_embeddings
-        if self.rollout.max_len > limit:
-            raise ConfigError("rollout.max_len", f"{self.rollout.max_len} is longer than the model supports "
-                                                 f"(model.rope.max_position_embeddings={limit})")
+        check_fits_model("rollout.max_len", self.rollout.max_len, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
 

@@ -13,8 +13,9 @@ import dataclasses
 from pathlib import Path
 from typing import Literal
 
-from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, command_line_overrides,
-                                 from_dict, override_origin, parse_override, read_yaml, resolve_config_path)
+from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, check_fits_model,
+                                 command_line_overrides, from_dict, override_origin, parse_override, read_yaml,
+                                 resolve_config_path)
 from composer_jax.data.config import DataConfig
 
 
@@ -113,10 +114,7 @@ class RunConfig:
     run_dir: str = "runs/default"     # where the run writes everything; relative = to the current directory
 
     def __post_init__(self):
-        max_len = self.model.rope.max_position_embeddings
-        if self.train.seq_len > max_len:
-            raise ConfigError("train.seq_len", f"{self.train.seq_len} is longer than the model supports "
-                                               f"(model.rope.max_position_embeddings={max_len})")
+        check_fits_model("train.seq_len", self.train.seq_len, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
 

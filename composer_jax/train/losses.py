@@ -69,9 +69,10 @@ def _chunk_sums(head, h, labels, weights, teacher, with_ce: bool):
         t_logits = jax.lax.stop_gradient(
             jnp.dot(teacher, head.astype(teacher.dtype), preferred_element_type=jnp.float32))
         t_logp = jax.nn.log_softmax(t_logits, axis=-1)
-        kl = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+        t_p = jnp.exp(t_logp)
+        kl = jnp.sum(t_p * (t_logp - logp), axis=-1)
         sums.append(jnp.sum(weights * kl))
-        accept = jnp.sum(jnp.minimum(jnp.exp(t_logp), jnp.exp(jax.lax.stop_gradient(logp))), axis=-1)
+        accept = jnp.sum(jnp.minimum(t_p, jnp.exp(jax.lax.stop_gradient(logp))), axis=-1)
         sums.append(jnp.sum(weights * accept))
     return jnp.stack(sums)
 
