@@ -13,7 +13,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.makedirs(_root, exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = _root
 
+import collections  # noqa: E402
 import importlib.util  # noqa: E402
+import shutil  # noqa: E402
 
 from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
 
@@ -23,6 +25,17 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# The CLI runs that tests start as subprocesses (restarts, process groups, engines) compile the same
+# programs again and again: they share one persistent compilation cache for the session (created by
+# the controller, inherited by xdist workers and their subprocesses; the file lock that a size bound
+# turns on keeps concurrent readers off half-written entries). The test processes themselves keep
+# compiling from scratch: what they measure about compiled programs is never a deserialized copy.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cjtests-xla-cache-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+jax.config.update("jax_enable_compilation_cache", False)
 
 REFERENCE_PACKAGES = ("torch", "transformers", "ray")
 
@@ -34,8 +47,17 @@ def pytest_configure(config):
                                 "install the test extras: pip install -e '.[test]'")
 
 
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests are exercised by tools/device_check.sh, not by the CPU suite."""
+    """Files with the most slow tests run first (with `--dist loadfile` the two workers then start on
+    the long files and end on short ones, not one of them on a long file alone). GPU-only tests are
+    exercised by tools/device_check.sh, not by the CPU suite."""
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])   # stable: the order within a file is kept
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU: run tools/device_check.sh")
