@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -127,6 +128,31 @@ def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_pat
     EngineExchange(tmp_path, second.session, like={}, timeout_s=60).fail("RuntimeError: the engine broke")
     with pytest.raises(ExchangeError, match="^the rollout engine failed: RuntimeError: the engine broke$"):
         second.next_batch()
+
+
+def test_a_killed_engine_is_noticed_by_its_heartbeat(tmp_path, monkeypatch):
+    """A heartbeat left by an engine from before (never seen changing) proves nothing: the learner waits
+    the whole batch timeout. One seen beating that then stands still (the engine killed) stops the
+    learner within the grace period, naming the engine's process, long before the timeout."""
+    monkeypatch.setattr(exchange_lib, "HEARTBEAT_GRACE_S", 0.5)
+    (tmp_path / exchange_lib.HEARTBEAT_FILE).write_text('{"beat": 7, "host": "old", "pid": 1}')
+    learner = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=2)
+    learner.start()
+    with pytest.raises(ExchangeError, match="^no batch 0 from the rollout engine"):
+        learner.next_batch()
+
+    learner = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=60)
+    learner.start()
+    with exchange_lib.Heartbeat(tmp_path, every=0.05):
+        time.sleep(0.3)
+        with pytest.raises(ExchangeError, match="no batch 0"):     # alive and beating: only the timeout ends this
+            learner.timeout_s = 1
+            learner.next_batch()
+    learner.timeout_s = 60
+    began = time.monotonic()
+    with pytest.raises(ExchangeError, match=rf"^the rollout engine \(pid {os.getpid()} on .+\) stopped: its heartbeat"):
+        learner.next_batch()
+    assert time.monotonic() - began < 5
 
 
 def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):

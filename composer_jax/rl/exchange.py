@@ -5,6 +5,7 @@ The exchange directory (`rollout.exchange_dir`, default RUN_DIR/exchange) lies o
 hosts see:
 
     session.json                      the learner's running session: id, first batch index, sampler and group state
+    engine-heartbeat                  a counter the engine rewrites every HEARTBEAT_S while it runs
     <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array);
                                       the newest KEEP_VERSIONS kept
     <session>/batches/<index>.npz     one ProducedBatch for policy version `index`; removed once the learner read it
@@ -15,6 +16,11 @@ Every file is written under a hidden temporary name in its directory, then renam
 a reader sees a whole file or none. Files are npz (arrays) with one JSON member (`__meta__`) for the
 rest; nothing is pickled. A restarted learner starts a new session (and removes the previous one), so
 an engine never mixes weights or batches of two runs; a running engine follows the new session.
+
+A learner that has seen the engine's heartbeat change and then sees it stand still for
+HEARTBEAT_GRACE_S (or rollout.engine_timeout_s, if shorter) stops with one line naming the engine's
+host and process: a killed engine is noticed in seconds, not at the batch timeout. (The learner's own
+clock times the silence, so the hosts' clocks need not agree.)
 
 Why not device to device: `jax.experimental.transfer` (a pull-based transfer server) does move an
 array between two CPU processes on jax 0.10.2 (checked: one array pulled over loopback), but it is
@@ -30,6 +36,8 @@ import io
 import json
 import os
 import shutil
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -54,6 +62,9 @@ HOST_LOCAL = {"rollout.exchange_dir", "rollout.engine_timeout_s", "rollout.devic
 KEEP_VERSIONS = 3           # weight versions kept in the directory (an engine may still be reading an older one)
 POLL_S = 0.1
 SESSION_FILE = "session.json"
+HEARTBEAT_FILE = "engine-heartbeat"
+HEARTBEAT_S = 2.0           # how often the engine beats
+HEARTBEAT_GRACE_S = 30.0    # a heartbeat that stood still this long: the engine is gone
 META = "__meta__"
 
 
@@ -181,6 +192,64 @@ def _file(directory: Path, n: int) -> Path:
     return directory / f"{n:08d}.npz"
 
 
+class Heartbeat:
+    """The engine's side: a thread rewriting `root/engine-heartbeat` (a counter, host and pid) every
+    `every` seconds until `stop()`."""
+
+    def __init__(self, root: str | Path, every: float = HEARTBEAT_S):
+        self.path, self.every, self._done = Path(root) / HEARTBEAT_FILE, every, threading.Event()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._beat, name="engine-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        count = 0
+        while True:
+            count += 1
+            atomic_write(self.path, json.dumps({"beat": count, "host": socket.gethostname(),
+                                                "pid": os.getpid()}).encode())
+            if self._done.wait(self.every):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class HeartbeatWatch:
+    """The learner's side: `check()` raises ExchangeError once a heartbeat seen changing has stood
+    still for `grace_s` seconds of this process's clock (a heartbeat never seen changing proves nothing:
+    it may be a dead engine's file from before a restart)."""
+
+    def __init__(self, root: str | Path, grace_s: float):
+        self.path, self.grace_s = Path(root) / HEARTBEAT_FILE, grace_s
+        self.last: str | None = None
+        self.read_once = False
+        self.changed_at: float | None = None    # monotonic time it was last seen to change (None: not yet)
+
+    def check(self) -> None:
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            text = None
+        now = time.monotonic()
+        if not self.read_once or text != self.last:
+            self.changed_at = now if self.read_once else None
+            self.last, self.read_once = text, True
+            return
+        if self.changed_at is not None and now - self.changed_at > self.grace_s:
+            try:
+                who = json.loads(text)
+                who = f"pid {who['pid']} on {who['host']}"
+            except (TypeError, ValueError, KeyError):
+                who = "its process"
+            raise ExchangeError(f"the rollout engine ({who}) stopped: its heartbeat in {self.path} has not changed "
+                                f"in {now - self.changed_at:.0f} s")
+
+
 def read_session(root: Path) -> dict | None:
     try:
         return json.loads((root / SESSION_FILE).read_text())
@@ -197,6 +266,7 @@ class LearnerExchange:
     def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
                  timeout_s: float, settings: dict | None = None):
         self.root, self.index, self.timeout_s = Path(root), start_index, timeout_s
+        self.heartbeat = HeartbeatWatch(self.root, min(HEARTBEAT_GRACE_S, timeout_s))
         self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
                         "groups": group_counts, "settings": settings or {}}
         self.dir = self.root / self.session["session"]
@@ -225,6 +295,7 @@ class LearnerExchange:
             failed = self.dir / "engine-failed"
             if failed.exists():
                 raise ExchangeError(f"the rollout engine failed: {failed.read_text().strip()}")
+            self.heartbeat.check()
             if time.monotonic() > deadline:
                 raise ExchangeError(f"no batch {self.index} from the rollout engine (composer-jax rl-engine) in "
                                     f"{self.timeout_s:g} s (rollout.engine_timeout_s) in {self.dir.parent}: "

@@ -9,7 +9,8 @@ installs the learner's weight versions as they appear (in place, no recompilatio
 batch back: the producer's own loop (`RolloutProducer.run_batches`), with the same staleness gate
 (batch i starts once version i - rl.max_staleness is in the directory). It exits when the learner
 writes its stop marker; a new learner session (a restarted learner) is followed. A failure is written
-for the learner to report, then raised.
+for the learner to report, then raised; a heartbeat file tells the learner the engine is alive (one
+killed without a word is noticed within `exchange.HEARTBEAT_GRACE_S`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from composer_jax.config import MeshConfig
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
-from composer_jax.rl.exchange import POLL_S, EngineExchange, ExchangeError, check_same_settings, engine_settings
+from composer_jax.rl.exchange import (POLL_S, EngineExchange, ExchangeError, Heartbeat, check_same_settings,
+                                      engine_settings)
 from composer_jax.rl.rollout import RolloutProducer, engine_agent, group_assembler
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import TaskSampler
@@ -70,6 +72,11 @@ def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print) -> dict:
     root, timeout = cfg.rollout.exchange_dir, cfg.rollout.engine_timeout_s
     if cfg.rollout.transport != "directory":
         raise ExchangeError("composer-jax rl-engine serves a learner run with rollout.transport=directory")
+    with Heartbeat(root):       # from the start: the learner tells a slow engine from a dead one
+        return _serve(cfg, tasks, log, root, timeout)
+
+
+def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float) -> dict:
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
     shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
     agent = engine_agent(cfg, ByteTokenizer(), model)
