@@ -219,6 +219,28 @@ def test_tool_failures_flags_and_limits(sandbox, example_task):
     assert not env.workspace.exists()                                    # deleted once graded
 
 
+def test_a_tool_subset_is_all_the_agent_sees_and_may_call(sandbox, example_task):
+    fmt = PlainFormat()
+    env = CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=3, tools=("run", "submit")))
+    declared = env.reset(example_task)[0]["content"]
+    assert "- run(command: string)" in declared and "- submit()" in declared
+    assert not any(f"- {name}(" in declared for name in TOOL_NAMES if name not in ("run", "submit"))
+    assert len(fmt.message(**fmt.tools_message(env.tools))) < len(fmt.message(**fmt.tools_message(TOOLS))) / 2
+    obs, _, info = env.step(fmt.render_call("read_file", {"path": "mathops.py"}))
+    assert obs[0]["content"] == "error: unknown tool 'read_file'; available: run, submit"
+    assert [f.kind for f in info["flags"]] == ["unknown_tool"]
+    hints = {k: hint_for([Flag(k, "detail")], env.hint_context) for k in ("unknown_tool", "no_action")}
+    assert "the available tools are run, submit;" in hints["unknown_tool"]
+    assert fmt.render_call("run", {"command": "ls"}) in hints["no_action"]      # the example is a declared tool
+    obs, done, info = env.step(fmt.render_call("run", {"command": "cat mathops.py"}))
+    assert "def double" in obs[0]["content"] and not done and info["flags"] == []
+    env.close()
+    for tools, message in ((("run",), "must include submit"), (("run", "grep", "submit"), "unknown tool 'grep'"),
+                           (("run", "run", "submit"), "listed twice")):
+        with pytest.raises(ValueError, match=message):
+            CodingEnvConfig(tools=tools)
+
+
 def test_special_files_do_not_block_the_tools(sandbox, example_task):
     fmt = PlainFormat()
     with CodingEnv(sandbox, fmt) as env:
@@ -233,8 +255,7 @@ def test_special_files_do_not_block_the_tools(sandbox, example_task):
 
 def test_every_flag_kind_has_a_hint():
     assert set(HINT_BUILDERS) == set(FLAG_KINDS)
-    ctx = CodingEnv.__new__(CodingEnv)
-    ctx.fmt, ctx.config = PlainFormat(), CodingEnvConfig()
+    ctx = CodingEnv(None, PlainFormat())
     hints = {k: hint_for([Flag(k, "detail")], ctx.hint_context) for k in FLAG_KINDS}
     assert all(hints.values()) and len(set(hints.values())) == len(FLAG_KINDS)
     assert hint_for([Flag("unknown_tool", "a"), Flag("unknown_tool", "b")], ctx.hint_context).count("\n") == 0

@@ -154,6 +154,8 @@ def test_sigkill_then_restart_continues(tmp_path):
     (["rewards.style_weight=1"], "rewards.style_weight"),
     (["warm_start.batch_size=4"], "warm_start.batch_size"),
     (["env.kind=coding", "env.tasks_dir={empty}", "warm_start.steps=0"], "env.tasks_dir"),
+    (["env.kind=coding", "env.tasks_dir={empty}", "env.tools=[run]"], "env.tools"),
+    (["rollout.max_new_tokens=4"], "rollout.max_new_tokens"),    # a demonstration longer than one turn
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
     empty = tmp_path / "tasks"
@@ -215,3 +217,27 @@ def test_batch_assembly_pads_with_rows_that_train_nothing():
     assert versions.tolist() == [[0, 0, 1, 1, -1, -1, -1, -1]] * 2
     # the empty answer is flagged (a teacher slot with its hint), the right one is not
     assert (batch.teacher_map[1] >= 0).sum() == end and (batch.teacher_map[0] < 0).all()
+
+
+def test_rollout_metrics_count_calls_carried_out_and_failed():
+    """Toy episodes answering through a `submit` call: a valid call, a malformed one and no call. Per
+    episode 1/3 call carried out; 1 of the 2 attempted calls failed."""
+    from composer_jax.data.tokenizer import ByteTokenizer
+    from composer_jax.envs import Report, TokenEpisode, ToyEnv
+    from composer_jax.rl.rollout import Rollout, rollout_metrics
+    from composer_jax.rl.sampler import Prompt
+
+    tokenizer, env = ByteTokenizer(), ToyEnv(get_format("plain"), use_tool=True)
+    task = toy_tasks("add", 1, seed=3)[0]
+    rollouts = []
+    for sample, text in enumerate([env.fmt.render_call("submit", {"answer": task.answer}),
+                                   "<tool_call>{not json</tool_call>", "no call at all"]):
+        episode = TokenEpisode(env, tokenizer)
+        episode.start(task)
+        ids = tokenizer.encode(text + env.fmt.end_of_turn)
+        episode.step(ids, np.zeros(len(ids)))
+        rollouts.append(Rollout(Prompt(task.id, 0, 0), sample, episode, [0] * len(ids), Report(), episode.reward))
+    metrics = rollout_metrics(rollouts, pass_threshold=1.0, wall_s=1.0)
+    assert metrics["tool_calls_mean"] == pytest.approx(1 / 3)
+    assert metrics["tool_error_rate"] == pytest.approx(1 / 2)
+    assert metrics["pass_rate"] == pytest.approx(1 / 3)

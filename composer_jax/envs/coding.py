@@ -35,31 +35,44 @@ SYSTEM_PROMPT = ("You are a coding agent working in a repository. Use the tools 
 NO_ACTION_MESSAGE = "No tool call found. Call a tool (or submit when you are done)."
 
 
+# One well-formed call per tool that needs no knowledge of the repository: the hints' example, in this
+# order of preference among the tools the episode declares (submit is always declared).
+_EXAMPLE_CALLS = (("read_file", {"path": "README.md"}), ("list_dir", {}), ("run", {"command": "ls"}), ("submit", {}))
+
+
 @dataclasses.dataclass(frozen=True)
 class CodingEnvConfig:
     max_turns: int = 30
     max_output_chars: int = 4000        # per tool result
     run_wall_s: float = 30.0            # limits of one `run` command
     run_cpu_s: int = 30
+    tools: tuple[str, ...] = TOOL_NAMES  # the tools declared and accepted (a shorter prompt for small models)
 
     def __post_init__(self):
         for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"coding env setting '{name}' must be > 0, got {getattr(self, name)}")
+        unknown = [t for t in self.tools if t not in TOOL_NAMES]
+        problem = (f"unknown tool {', '.join(map(repr, unknown))}; the tools are {', '.join(TOOL_NAMES)}" if unknown
+                   else "a tool is listed twice" if len(set(self.tools)) != len(self.tools)
+                   else "must include submit (the agent ends its episode with it)" if "submit" not in self.tools
+                   else "")
+        if problem:
+            raise ValueError(f"coding env setting 'tools': {problem}")
 
 
 class CodingEnv:
-    tools = TOOLS
-
     def __init__(self, sandbox: Sandbox, fmt: ToolFormat, config: CodingEnvConfig = CodingEnvConfig(), *,
                  inspect: Callable[[Task, Path], dict] | None = None):
         self.sandbox, self.fmt, self.config, self.inspect = sandbox, fmt, config, inspect
+        self.tools = tuple(t for t in TOOLS if t.name in config.tools)
         self._tmp: Path | None = None
         self.done = True
 
     @property
     def hint_context(self) -> HintContext:
-        return HintContext(TOOL_NAMES, self.fmt.render_call("read_file", {"path": "README.md"}),
+        example = next((name, args) for name, args in _EXAMPLE_CALLS if name in self.config.tools)
+        return HintContext(tuple(t.name for t in self.tools), self.fmt.render_call(*example),
                            self.config.max_output_chars)
 
     def demonstration(self, task: Task) -> str:
@@ -78,7 +91,7 @@ class CodingEnv:
         # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;
         # failed_calls: those plus the valid calls that failed when carried out
         self.stats = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
-        return [self.fmt.tools_message(TOOLS), {"role": "system", "content": SYSTEM_PROMPT},
+        return [self.fmt.tools_message(self.tools), {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task.instruction}]
 
     def _test_digest(self) -> dict[str, str]:
@@ -96,7 +109,7 @@ class CodingEnv:
         if self.done:
             raise RuntimeError("step() after the episode ended: call reset(task) first")
         self.turn += 1
-        parsed = parse_turn(assistant_text, self.fmt, TOOLS)
+        parsed = parse_turn(assistant_text, self.fmt, self.tools)
         flags = flags_for_errors(parsed.errors)
         observation = []
         for error in parsed.errors:

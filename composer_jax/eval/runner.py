@@ -61,10 +61,9 @@ def load_task_set(tasks_dir: str | Path) -> list[Task]:
     return tasks
 
 
-def coding_env(sandbox: Sandbox, fmt, max_turns: int) -> Callable[[], CodingEnv]:
+def coding_env(sandbox: Sandbox, fmt, config: CodingEnvConfig) -> Callable[[], CodingEnv]:
     """Fresh CodingEnvs that lint the agent's changes after grading."""
-    return lambda: CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=max_turns),
-                             inspect=functools.partial(inspect_changes, sandbox))
+    return lambda: CodingEnv(sandbox, fmt, config, inspect=functools.partial(inspect_changes, sandbox))
 
 
 def run_spec(agent: Agent, task_ids: Sequence[str], config: EvalConfig) -> dict:
@@ -93,7 +92,7 @@ def evaluate(agent: Agent, tasks: Sequence, out_dir: str | Path, config: EvalCon
     if make_env is None:
         if not all(isinstance(t, Task) for t in tasks):
             raise EvalError("tasks other than coding tasks need make_env (e.g. lambda: ToyEnv(agent.fmt))")
-        make_env = coding_env(sandbox or Sandbox(), agent.fmt, config.max_turns)
+        make_env = coding_env(sandbox or Sandbox(), agent.fmt, CodingEnvConfig(max_turns=config.max_turns))
     out_dir = Path(out_dir)
     finished = {(r["task"], r["sample"]) for r in open_run(out_dir, run_spec(agent, ids, config))}
     pending = [(t, s) for t in sorted(tasks, key=lambda t: t.id) for s in range(config.samples)

@@ -149,7 +149,8 @@ class RLTrainer:
             if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
                 env = self.tasks.make_env()
                 try:
-                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, cfg.rollout.max_len)
+                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, cfg.rollout.max_len,
+                                           cfg.rollout.max_new_tokens)
                 finally:
                     if hasattr(env, "close"):
                         env.close()

@@ -144,8 +144,9 @@ def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.nd
 
 
 def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float) -> dict:
-    """Means over the batch's finished episodes: rewards and their components, pass rate, tool errors,
-    flagged turns, response length; rollout tokens per second."""
+    """Means over the batch's finished episodes: rewards and their components, pass rate, tool calls
+    carried out per episode and the share of calls that failed (invalid, or a non-zero exit: a `run` of
+    failing tests counts), flagged turns, response length; rollout tokens per second."""
     if not rollouts:
         return {"rollouts": 0.0, "rollout_s": wall_s}
     terms = [x.episode.reward_terms for x in rollouts]
@@ -154,6 +155,7 @@ def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: floa
     calls = sum(i["tool_calls"] + i.get("invalid_calls", 0) for i in infos)
     out = {"rollouts": float(len(rollouts)), "reward_mean": float(np.mean([x.reward for x in rollouts])),
            "pass_rate": float(np.mean([i["task_reward"] >= pass_threshold for i in infos])),
+           "tool_calls_mean": float(np.mean([i.get("tool_calls", 0) for i in infos])),
            "tool_error_rate": sum(i["failed_calls"] for i in infos) / calls if calls else 0.0,
            "flagged_turns": float(sum(bool(t.flags) for x in rollouts for t in x.episode.turns)),
            "response_length_mean": float(np.mean(generated)), "rollout_s": wall_s,

@@ -74,7 +74,7 @@ def coding_task_sets(cfg: EnvConfig, run_dir: Path, seed: int) -> TaskSets:
         split = max(1, len(made) - cfg.eval_tasks)
         train, held_out = made[:split], made[split:]
     sandbox = Sandbox()
-    make_env = coding_env(sandbox, get_format(cfg.format), cfg.max_turns)
+    make_env = coding_env(sandbox, get_format(cfg.format), cfg.coding())
     return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace", train)
 
 

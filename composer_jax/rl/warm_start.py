@@ -7,6 +7,7 @@ rate for RL to raise.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import jax
@@ -16,24 +17,32 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from composer_jax.config import ConfigError
 from composer_jax.envs import TokenEpisode
 from composer_jax.model import CausalLM
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.train.config import OptimizerConfig, RunConfig, TrainConfig
+from composer_jax.train.metrics import Progress
 from composer_jax.train.optimizer import make_optimizer
 from composer_jax.train.state import TrainState, split_model
 from composer_jax.train.step import make_train_step
 
 
-def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int) -> dict[str, np.ndarray]:
+def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int, turn_tokens: int) -> dict[str, np.ndarray]:
     """The pretraining step's features int32[N, seq_len] (tokens, segment_ids, positions, loss_mask):
     each task's prompt as the episode renders it, then its solving message and the end-of-turn marker
-    (the loss mask covers these), right-padded to the longest (rounded up to 16, at most seq_len)."""
+    (the loss mask covers these), right-padded to the longest (rounded up to 16, at most seq_len).
+    A message longer than one turn's budget (`turn_tokens`, rollout.max_new_tokens) is a ConfigError:
+    the policy could never write it whole."""
     tokens, segments, mask = (np.zeros((len(tasks), seq_len), np.int32) for _ in range(3))
     for row, task in enumerate(tasks):
         prompt = TokenEpisode(env, tokenizer).start(task)
         answer = np.asarray(tokenizer.encode(env.demonstration(task) + env.fmt.end_of_turn), np.int32)
+        if len(answer) > turn_tokens:
+            raise ConfigError("rollout.max_new_tokens", f"{turn_tokens} tokens per turn cannot hold the warm "
+                                                        f"start's demonstration for task {task.id} ({len(answer)} "
+                                                        f"tokens with the end-of-turn marker)")
         n = len(prompt) + len(answer)
         if n > seq_len:
             raise ValueError(f"warm start: task {task.id} needs {n} tokens, more than rollout.max_len={seq_len}")
@@ -46,8 +55,9 @@ def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int) -> dict[str, n
 
 
 def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) -> tuple[CausalLM, float]:
-    """`cfg.warm_start.steps` supervised steps on random batches of `demonstrations(...)`; returns (the trained model, the last step's cross-entropy). The arrays of
-    `model` are donated: use the returned model."""
+    """`cfg.warm_start.steps` supervised steps on random batches of `demonstrations(...)`, with a progress
+    bar; returns (the trained model, the last step's cross-entropy). The arrays of `model` are donated:
+    use the returned model."""
     ws = cfg.warm_start
     run = RunConfig(model=cfg.model, mesh=cfg.mesh,
                     train=TrainConfig(steps=ws.steps, batch_size=ws.batch_size, seq_len=demos['tokens'].shape[1],
@@ -62,11 +72,25 @@ def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) 
     sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
     rng = np.random.default_rng(cfg.seed)
     ce = float("nan")
+    progress = Progress(ws.steps, 0, cfg.progress, muted=jax.process_index() != 0)
+    progress.status("warm start (compiling)")
+    tokens_per_step = ws.batch_size * demos["tokens"].shape[1]
+    rate = lambda done: tokens_per_step * done / max(time.perf_counter() - began, 1e-9)  # noqa: E731
+    previous, began = None, 0.0
     with dual:
-        for _ in range(ws.steps):
+        for i in range(ws.steps):
             rows = rng.choice(len(demos["tokens"]), ws.batch_size, replace=len(demos["tokens"]) < ws.batch_size)
             batch = {k: jax.make_array_from_process_local_data(sharding, v[rows][None]) for k, v in demos.items()}
             state, metrics = step(state, batch)
+            if i == 0:                              # compiled: tokens/s counts from here
+                progress.status("warm start")
+                began = time.perf_counter()
+            else:                                   # the step before's loss: one step stays in flight
+                ce = float(jax.device_get(previous["ce"]))
+                progress.update(1, ce, rate(i - 1), None)
+            previous = metrics
         if ws.steps:
-            ce = float(jax.device_get(metrics["ce"]))
+            ce = float(jax.device_get(previous["ce"]))
+            progress.update(1, ce, rate(ws.steps - 1), None)
+    progress.close()
     return nnx.merge(graphdef, state.params, state.biases, rest), ce
