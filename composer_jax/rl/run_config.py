@@ -15,6 +15,7 @@ from composer_jax.envs.coding import CodingEnvConfig
 from composer_jax.envs.monitor import MonitorConfig
 from composer_jax.envs.protocol import FORMATS
 from composer_jax.envs.rewards import RewardConfig
+from composer_jax.envs.tools import TOOL_NAMES
 from composer_jax.envs.toy import FAMILIES
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.sampler import SamplerConfig
@@ -80,7 +81,7 @@ class EnvConfig:
     repo: str = ""                  # coding without tasks_dir: make tasks from this repository (feature deletion) in RUN_DIR/tasks
     max_tasks: int = 20             # coding with repo: tasks to make (the last eval_tasks of them are held out)
     max_turns: int = 4              # coding: assistant turns per episode
-    tools: tuple[str, ...] = ()     # coding: the tools declared to the agent (must include submit; empty: all)
+    tools: tuple[str, ...] = TOOL_NAMES  # coding: the tools declared to the agent (must include submit)
     max_output_chars: int = 4000    # coding: a tool result is cut to this many characters
 
     def __post_init__(self):
@@ -93,20 +94,17 @@ class EnvConfig:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.eval_tasks < 0:
             raise ConfigError("eval_tasks", f"must be >= 0, got {self.eval_tasks}")
-        if self.tools:
-            try:
-                CodingEnvConfig(tools=self.tools)
-            except ValueError as e:
-                raise ConfigError("tools", str(e).split(": ", 1)[-1]) from None
+        try:
+            CodingEnvConfig(tools=self.tools)
+        except ValueError as e:
+            raise ConfigError("tools", str(e).split(": ", 1)[-1]) from None
         if self.kind == "coding" and not (self.tasks_dir or self.repo):
             raise ConfigError("tasks_dir", "the coding environment needs a task directory (composer-jax tasks "
                                            "feature-deletion REPO OUT) or a repository to make tasks from (env.repo)")
 
-
     def coding(self) -> CodingEnvConfig:
         """The coding environment's settings."""
-        return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars,
-                               **({"tools": self.tools} if self.tools else {}))
+        return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars, tools=self.tools)
 
 
 @dataclasses.dataclass(frozen=True)
