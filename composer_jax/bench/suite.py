@@ -42,12 +42,14 @@ class Sizes:
     teacher: tuple                # prefix, turn (tiny model)
     decode: tuple                 # prompt_len, new_tokens
     muon: tuple                   # experts, moe_layers
+    model_overrides: tuple = ()   # dotted changes to the train-step and teacher sections' models
 
 
 def sizes(preset: str, quick: bool) -> Sizes:
     if preset == "cpu" and quick:
+        # Two decoder layers (one dense, one MoE): the smoke run's time is tracing and compiling, per layer.
         return Sizes("tiny", 2, 64, 2, (128,), {"tiny": (4, 24, 24)}, (), "float32",
-                     (128, 64, 32, 16, 4), (16, 8), (8, 16), (8, 1))
+                     (128, 64, 32, 16, 4), (16, 8), (8, 16), (8, 1), ("num_layers=2",))
     if preset == "cpu":
         return Sizes("tiny", 8, 128, 5, (256, 1024, 2048), {"tiny": (4, 24, 24), "k25_8heads": (8, 192, 128)},
                      (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16), (32, 64), (32, 2))
@@ -68,7 +70,7 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     if name == "train_step":
         from composer_jax.bench.train_step import device_memory_bytes, fitting_batch, train_step_section
 
-        model, batch, sized = load_config(s.model), s.batch_size, {}
+        model, batch, sized = load_config(s.model, list(s.model_overrides)), s.batch_size, {}
         if not batch:
             budget = FILL_FRACTION * (device_memory_bytes() or 0)
             batch = fitting_batch(model, s.seq_len, budget) if budget else 1
@@ -89,7 +91,8 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
         from composer_jax.bench.rl_teacher import teacher_section
 
         prefix, turn = s.teacher
-        return teacher_section(load_config("tiny", [f"rope.max_position_embeddings={prefix + turn + 64}"]), prefix, turn)
+        return teacher_section(load_config("tiny", [f"rope.max_position_embeddings={prefix + turn + 64}",
+                                                    *s.model_overrides]), prefix, turn)
     if name == "decode":
         from composer_jax.bench.decode import decode_section
 
