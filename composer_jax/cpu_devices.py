@@ -42,3 +42,8 @@ def use_cpu_devices(count: int, environ: MutableMapping[str, str] = os.environ) 
     on_cpu = not platforms or "cpu" in platforms.lower().split(",")
     if devices > 1 and on_cpu and not any(v in environ for v in THREAD_VARS) and _usable_cores() < 2 * devices:
         environ["PJRT_NPROC"] = str(2 * devices)
+
+
+def without_device_count(flags: str) -> str:
+    """XLA_FLAGS less its fake device count: for a child process that chooses its own."""
+    return " ".join(f for f in flags.split() if not f.startswith(f"{DEVICE_COUNT_FLAG}="))

@@ -125,3 +125,9 @@ def test_a_host_with_two_cores_per_device_keeps_its_pool(monkeypatch):
     env = {}
     use_cpu_devices(8, env)
     assert "PJRT_NPROC" not in env
+
+
+def test_a_child_process_gets_the_flags_less_the_device_count():
+    flags = "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    assert cpu_devices.without_device_count(flags) == "--xla_dump_to=/tmp/x --xla_backend_optimization_level=0"
+    assert cpu_devices.without_device_count("") == ""

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from composer_jax.cpu_devices import without_device_count
 from composer_jax.parallel.distributed import (EXIT_PEER_LOST, DistributedError, ProcessGroup, find_group,
                                                first_slurm_host)
 from tests.multiprocess_steps import restore_params, run_steps
@@ -77,8 +78,10 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "XLA_FLAGS", "PJRT_NPROC", "NPROC"))}
-    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PJRT_NPROC", "NPROC"))}
+    # Each process sets its own device count; the suite's compile settings (tests/conftest.py) carry over.
+    return {**env, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": without_device_count(os.environ.get("XLA_FLAGS", ""))}
 
 
 def _launch(argv_of, n: int = 2) -> list[subprocess.Popen]:

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
+from composer_jax.cpu_devices import without_device_count
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
 from composer_jax.rl import exchange as exchange_lib
@@ -165,7 +166,8 @@ def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):
 
 
 def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    flags = f"{without_device_count(os.environ.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count={devices}"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": flags.strip()}
     return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
