@@ -221,7 +221,8 @@ def test_batch_assembly_pads_with_rows_that_train_nothing():
 
 def test_rollout_metrics_count_calls_carried_out_and_failed():
     """Toy episodes answering through a `submit` call: a valid call, a malformed one and no call. Per
-    episode 1/3 call carried out; 1 of the 2 attempted calls failed."""
+    episode 1/3 call carried out; 1 of the 2 attempted calls failed; 2 of the 3 turns used the tool
+    wrongly (the one without a call counts there, though it failed no call)."""
     from composer_jax.data.tokenizer import ByteTokenizer
     from composer_jax.envs import Report, TokenEpisode, ToyEnv
     from composer_jax.rl.rollout import Rollout, rollout_metrics
@@ -240,4 +241,5 @@ def test_rollout_metrics_count_calls_carried_out_and_failed():
     metrics = rollout_metrics(rollouts, pass_threshold=1.0, wall_s=1.0)
     assert metrics["tool_calls_mean"] == pytest.approx(1 / 3)
     assert metrics["tool_error_rate"] == pytest.approx(1 / 2)
+    assert metrics["tool_turn_error_rate"] == pytest.approx(2 / 3)
     assert metrics["pass_rate"] == pytest.approx(1 / 3)

@@ -1,7 +1,9 @@
 """The targeted-feedback experiment: the toy tool-use task (answers go through a `submit` tool call)
 trained twice with the same seeds, without (sd_coef=0) and with (sd_coef=1) self-distillation on the
-flagged turns; writes OUT/feedback.json and OUT/feedback.png with the tool-error rate and the reward
-per step of both runs.
+flagged turns; writes OUT/feedback.json and OUT/feedback.png with the tool errors and the reward per
+step of both runs. Tool errors are measured per turn (`tool_turn_error_rate`: a call that does not
+parse or validate, or no call at all) and per attempted call (`tool_error_rate`); only the first counts
+a policy that stops calling the tool, which then fails no call.
 
     python tools/experiment_feedback.py OUT [key=value ...]     # overrides of both runs (rl-tiny based)
 
@@ -26,7 +28,8 @@ TOOL_USE = ["env.use_tool=true", "env.tasks=16", "rollout.max_new_tokens=96", "r
             "rl.max_tokens=96", "rollout.feedback_window=448", "model.rope.max_position_embeddings=1024",
             "model.rope.factor=1", "model.rope.original_max_position_embeddings=1024", "rollout.batch_size=16",
             "rl.group_size=4", "rl.steps=40", "warm_start.steps=150", "warm_start.lr=1e-2", "warm_start.batch_size=16"]
-SERIES = ("tool_error_rate", "reward_mean", "loss_sd", "flagged_turns")
+SERIES = ("tool_turn_error_rate", "tool_error_rate", "tool_calls_mean", "reward_mean", "loss_sd", "flagged_turns")
+SUMMARISED = ("tool_turn_error_rate", "tool_error_rate", "reward_mean")
 
 
 def run(out: Path, sd_coef: float, overrides: list[str]) -> list[dict]:
@@ -48,7 +51,7 @@ def main() -> int:
         results[f"sd_coef={sd_coef:g}"] = {key: [r.get(key) for r in records] for key in ("step", *SERIES)}
     fifth = lambda xs: max(1, len(xs) // 5)  # noqa: E731
     summary = {name: {f"{key}_{part}": float(np.mean(xs[:fifth(xs)] if part == "first_fifth" else xs[-fifth(xs):]))
-                      for key in ("tool_error_rate", "reward_mean") for xs in [r[key]]
+                      for key in SUMMARISED for xs in [r[key]]
                       for part in ("first_fifth", "last_fifth")} for name, r in results.items()}
     (args.out / "feedback.json").write_text(json.dumps({"overrides": TOOL_USE + args.overrides, "summary": summary,
                                                         "runs": results}, indent=1))
@@ -57,8 +60,9 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "tool_error_rate", "tool-error rate"), (axes[1], "reward_mean", "mean reward")):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    labels = ("turns with a tool error (bad or no call)", "failed / attempted calls", "mean reward")
+    for ax, key, label in zip(axes, SUMMARISED, labels):
         for name, r in results.items():
             ax.plot(r["step"], r[key], label=name)
         ax.set(xlabel="step", ylabel=label, title=f"{label}: toy tool-use task")

@@ -37,6 +37,7 @@ import numpy as np
 
 from composer_jax.config import ConfigError
 from composer_jax.envs import Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields
+from composer_jax.envs.feedback import NO_ACTION
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.eval.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
@@ -146,18 +147,23 @@ def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.nd
 def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float) -> dict:
     """Means over the batch's finished episodes: rewards and their components, pass rate, tool calls
     carried out per episode and the share of calls that failed (invalid, or a non-zero exit: a `run` of
-    failing tests counts), flagged turns, response length; rollout tokens per second."""
+    failing tests counts), the share of turns that used the tools wrongly (a call that did not parse or
+    validate, or no call at all: a policy that stops calling has no failed calls, but every turn
+    counts here), flagged turns, response length; rollout tokens per second."""
     if not rollouts:
         return {"rollouts": 0.0, "rollout_s": wall_s}
     terms = [x.episode.reward_terms for x in rollouts]
     infos = [x.episode.info for x in rollouts]
     generated = [int(sum(x.episode.generated)) for x in rollouts]
     calls = sum(i["tool_calls"] + i.get("invalid_calls", 0) for i in infos)
+    turns = [t for x in rollouts for t in x.episode.turns]
+    no_call = sum(any(f.kind == NO_ACTION for f in t.flags) for t in turns)
     out = {"rollouts": float(len(rollouts)), "reward_mean": float(np.mean([x.reward for x in rollouts])),
            "pass_rate": float(np.mean([i["task_reward"] >= pass_threshold for i in infos])),
            "tool_calls_mean": float(np.mean([i.get("tool_calls", 0) for i in infos])),
            "tool_error_rate": sum(i["failed_calls"] for i in infos) / calls if calls else 0.0,
-           "flagged_turns": float(sum(bool(t.flags) for x in rollouts for t in x.episode.turns)),
+           "tool_turn_error_rate": (sum(i.get("malformed_turns", 0) for i in infos) + no_call) / max(len(turns), 1),
+           "flagged_turns": float(sum(bool(t.flags) for t in turns)),
            "response_length_mean": float(np.mean(generated)), "rollout_s": wall_s,
            "rollout_tokens_per_s": sum(generated) / max(wall_s, 1e-9)}
     out.update({f"reward_{name}": float(np.mean([t[name] for t in terms])) for name in terms[0] if name != "total"})
