@@ -156,6 +156,7 @@ def test_sigkill_then_restart_continues(tmp_path):
     (["env.kind=coding", "env.tasks_dir={empty}", "warm_start.steps=0"], "env.tasks_dir"),
     (["env.kind=coding", "env.tasks_dir={empty}", "env.tools=[run]"], "env.tools"),
     (["rollout.max_new_tokens=4"], "rollout.max_new_tokens"),    # a demonstration longer than one turn
+    (["warm_start.hint_share=1"], "warm_start.hint_share"),
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
     empty = tmp_path / "tasks"
@@ -164,6 +165,40 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and key in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_hinted_demonstrations_show_what_the_teacher_sees():
+    """warm_start.hint_share=0.5 on 4 toy tool-use tasks: 4 plain rows, then 4 hinted ones (both mistakes
+    made in turn). A hinted row is the teacher's context of an RL batch for that flagged turn (the
+    trajectory up to the turn, then the slot's hint tokens from `rollout_fields`), followed by the same
+    solving call as the plain row, which alone is trained on."""
+    from composer_jax.data.tokenizer import ByteTokenizer
+    from composer_jax.envs import TokenEpisode, ToyEnv, rollout_fields
+    from composer_jax.rl.warm_start import demonstrations
+
+    tokenizer, env = ByteTokenizer(), ToyEnv(get_format("plain"), use_tool=True)
+    tasks = toy_tasks("add", 4, seed=5)
+    demos = demonstrations(env, tokenizer, tasks, 512, 96, hint_share=0.5)
+    assert len(demos["tokens"]) == 8
+
+    def row(i):
+        n = int(demos["segment_ids"][i].sum())
+        return demos["tokens"][i, :n], demos["loss_mask"][i, :n].astype(bool)
+
+    kinds = set()
+    for i, task in enumerate(tasks):
+        (plain, plain_mask), (hinted, hinted_mask) = row(i), row(4 + i)
+        answer = plain[plain_mask]
+        assert np.array_equal(hinted[hinted_mask], answer) and hinted_mask[-len(answer):].all()
+        mistake = "" if i % 2 == 0 else env.demonstration(task)[:len(env.demonstration(task)) // 2]
+        episode = TokenEpisode(env, tokenizer)
+        prompt = episode.start(task)
+        episode.step(np.asarray(tokenizer.encode(mistake + env.fmt.end_of_turn), np.int32))
+        fields = rollout_fields([episode], [0], seq_len=512, slots=1, window=256)
+        hint = fields["teacher_tokens"][0, 0][:int(np.argmax(fields["teacher_map"][0, 0] >= 0))]  # before the turn
+        assert len(hint) and np.array_equal(hinted[:-len(answer)], np.concatenate([prompt, hint]))
+        kinds.add(episode.turns[0].flags[0].kind)
+    assert kinds == {"no_action", "malformed_call"}
 
 
 def test_overlap_counts_each_pair_of_intervals_once():

@@ -149,8 +149,10 @@ class RLTrainer:
             if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
                 env = self.tasks.make_env()
                 try:
-                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, cfg.rollout.max_len,
-                                           cfg.rollout.max_new_tokens)
+                    # A hinted row holds what a teacher sees: up to the turn, then a feedback window.
+                    rows = cfg.rollout.max_len + (cfg.rollout.feedback_window if cfg.warm_start.hint_share else 0)
+                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, rows,
+                                           cfg.rollout.max_new_tokens, cfg.warm_start.hint_share)
                 finally:
                     if hasattr(env, "close"):
                         env.close()

@@ -115,10 +115,15 @@ class WarmStartConfig:
     lr: float = 3e-3
     batch_size: int = 32            # demonstrations per step
     tasks: int = 256                # demonstration tasks (drawn with their own seed)
+    # share of the demonstration rows shown after the hint targeted feedback's teacher sees for a mistake
+    # (no call; a call cut short): a small model then follows hints, so its hinted teacher is competent
+    hint_share: float = 0.0
 
     def __post_init__(self):
         if self.steps < 0 or self.batch_size <= 0 or self.tasks <= 0 or self.lr <= 0:
             raise ConfigError("steps", "steps must be >= 0; batch_size, tasks and lr > 0")
+        if not 0 <= self.hint_share < 1:
+            raise ConfigError("hint_share", f"must be in [0, 1), got {self.hint_share}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,29 +29,64 @@ from composer_jax.train.state import TrainState, split_model
 from composer_jax.train.step import make_train_step
 
 
-def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int, turn_tokens: int) -> dict[str, np.ndarray]:
+def demonstrations(env, tokenizer, tasks: Sequence, seq_len: int, turn_tokens: int,
+                   hint_share: float = 0.0) -> dict[str, np.ndarray]:
     """The pretraining step's features int32[N, seq_len] (tokens, segment_ids, positions, loss_mask):
     each task's prompt as the episode renders it, then its solving message and the end-of-turn marker
     (the loss mask covers these), right-padded to the longest (rounded up to 16, at most seq_len).
-    A message longer than one turn's budget (`turn_tokens`, rollout.max_new_tokens) is a ConfigError:
-    the policy could never write it whole."""
-    tokens, segments, mask = (np.zeros((len(tasks), seq_len), np.int32) for _ in range(3))
-    for row, task in enumerate(tasks):
+    With `hint_share` > 0 that share of the rows shows the solving message after the hint the
+    teacher of targeted feedback would see for a mistake (`mistake_hints`): a model trained only on
+    plain demonstrations has never seen a hint, and its hinted teacher predicts from out of its
+    distribution. A message longer than one turn's budget (`turn_tokens`, rollout.max_new_tokens) is a
+    ConfigError: the policy could never write it whole."""
+    rows, plain = [], {}                                # (task id, context ids, answer ids)
+    for task in tasks:
         prompt = TokenEpisode(env, tokenizer).start(task)
         answer = np.asarray(tokenizer.encode(env.demonstration(task) + env.fmt.end_of_turn), np.int32)
         if len(answer) > turn_tokens:
             raise ConfigError("rollout.max_new_tokens", f"{turn_tokens} tokens per turn cannot hold the warm "
                                                         f"start's demonstration for task {task.id} ({len(answer)} "
                                                         f"tokens with the end-of-turn marker)")
+        rows.append((task.id, prompt, answer))
+        plain[task.id] = (prompt, answer)
+    hinted = round(len(tasks) * hint_share / (1 - hint_share)) if hint_share else 0
+    for task, hint in mistake_hints(env, tokenizer, tasks, hinted):
+        prompt, answer = plain[task.id]
+        rows.append((task.id, np.concatenate([prompt, hint]), answer))
+    tokens, segments, mask = (np.zeros((len(rows), seq_len), np.int32) for _ in range(3))
+    for row, (task_id, prompt, answer) in enumerate(rows):
         n = len(prompt) + len(answer)
         if n > seq_len:
-            raise ValueError(f"warm start: task {task.id} needs {n} tokens, more than rollout.max_len={seq_len}")
+            raise ValueError(f"warm start: task {task_id} needs {n} tokens, more than a row's {seq_len} "
+                             f"(rollout.max_len, plus rollout.feedback_window with warm_start.hint_share)")
         tokens[row, :n], segments[row, :n] = np.concatenate([prompt, answer]), 1
         mask[row, len(prompt):n] = 1
     positions = np.where(segments > 0, np.arange(seq_len, dtype=np.int32)[None], 0).astype(np.int32)
     width = min(seq_len, -(-int(segments.sum(1).max()) // 16) * 16)     # no step on columns of padding only
     return {k: v[:, :width] for k, v in
             {"tokens": tokens, "segment_ids": segments, "positions": positions, "loss_mask": mask}.items()}
+
+
+def mistake_hints(env, tokenizer, tasks: Sequence, count: int) -> list[tuple[object, np.ndarray]]:
+    """Up to `count` (task, teacher insert) pairs: the hint as targeted feedback's teacher sees it before
+    a flagged turn (`TokenEpisode.hint_ids`), cycling over `tasks` and two mistakes made on purpose: a
+    turn without a call or answer, and the demonstration cut in half (a malformed call). A mistake the
+    environment does not flag gives none."""
+    out = []
+    for attempt in range(2 * max(count, len(tasks)) if count else 0):
+        task = tasks[attempt % len(tasks)]
+        demonstration = env.demonstration(task)
+        cut = (attempt + attempt // len(tasks)) % 2           # each task gets both mistakes in turn
+        mistake = demonstration[:len(demonstration) // 2] if cut else ""
+        episode = TokenEpisode(env, tokenizer)
+        episode.start(task)
+        episode.step(np.asarray(tokenizer.encode(mistake + env.fmt.end_of_turn), np.int32))
+        turn = episode.turns[-1]
+        if turn.hint:
+            out.append((task, episode.hint_ids(turn)))
+            if len(out) == count:
+                break
+    return out
 
 
 def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) -> tuple[CausalLM, float]:
