@@ -4,6 +4,7 @@ snapshots and batch files round-trip exactly, a half-written file is never read;
 learner within the staleness bound, and a resumed learner hands it the checkpoint's sampler state;
 bad settings, a silent engine and a silent learner are one-line errors."""
 
+import gc
 import json
 import os
 import subprocess
@@ -16,11 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from composer_jax import cli
+from composer_jax.config import MeshConfig
 from composer_jax.cpu_devices import without_device_count
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
+from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
@@ -29,6 +33,7 @@ from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler
+from composer_jax.rl.weight_transfer import WeightClient, WeightServer, describe_layout, learner_shardings
 from composer_jax.train.metrics import read_metrics
 from tests.rl_parity import parity_tasks
 from tests.test_rl_loop import TINY
@@ -165,11 +170,14 @@ def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):
         check_same_settings(learner, engine_settings(_config(tmp_path / "a", "rl.max_staleness=2")))
 
 
-def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
+def _engine_env(devices: int) -> dict:
     flags = f"{without_device_count(os.environ.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count={devices}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": flags.strip()}
-    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": flags.strip()}
+
+
+def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides], env=_engine_env(devices),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
@@ -214,6 +222,7 @@ def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, 
     ("rl-engine", ["rollout.exchange_dir={tmp}/missing"], "rollout.exchange_dir"),
     ("rl", ["run_dir={tmp}/a_file/run"], "rollout.exchange_dir"),         # the default RUN_DIR/exchange: unwritable
     ("rl", ["rollout.devices=2"], "rollout.devices"),
+    ("rl", ["rollout.transport=thread", "rollout.weight_transfer=device"], "rollout.weight_transfer"),
 ])
 def test_bad_remote_settings_are_one_line_naming_the_key(tmp_path, capsys, command, overrides, key):
     (tmp_path / "a_file").write_text("")
@@ -236,3 +245,120 @@ def test_engine_without_a_learner_stops_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert status == 1 and len(err.splitlines()) == 1, err
     assert "no learner session" in err and "composer-jax rl" in err
+
+
+def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
+    """rollout.weight_transfer=device: the learner here (8 devices, its own layout) offers versions 0..3;
+    an engine process on 2 devices pulls version 0, then, asked for >= 1 once 1..3 are offered, the newest
+    (3): both arrive bit for bit in the engine's own shardings (checked there). A version the engine
+    skipped is never scheduled (the learner's server holds no unpulled copy), the learner holds the newest
+    2 versions only, and the pull requests are gone."""
+    cfg = _config(tmp_path, "rollout.weight_transfer=device")
+    model = CausalLM(cfg.model, rngs=nnx.Rngs(2))
+    shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
+    state = nnx.state(model)
+    versions = {v: jax.tree.map(lambda x, v=v: x + v if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+                for v in range(4)}
+    learner = LearnerExchange(tmp_path / "x", start_index=0, sampler_state={}, group_counts={}, timeout_s=60,
+                              weight_transfer="device")
+    learner.start()
+    out = tmp_path / "pulled"
+    out.mkdir()
+    engine = subprocess.Popen([sys.executable, "-m", "tests.weight_pull_process", str(tmp_path / "x"), str(out),
+                               *TINY, f"run_dir={tmp_path}"], env=_engine_env(2), cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        learner.publish(versions[0], 0)             # waits for the engine's layout
+        deadline = time.monotonic() + 60
+        while not (out / "0.npz").exists() and engine.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for v in (1, 2, 3):
+            learner.publish(versions[v], v)
+        (out / "go").write_text("")
+        stdout, err = engine.communicate(timeout=60)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.communicate()
+        learner.stop()
+    assert engine.returncode == 0, err[-3000:]
+    assert stdout.strip() == "[0, 3]"
+    for v in (0, 3):
+        pulled, version = read_weights(out / f"{v}.npz", state)
+        assert version == v
+        for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(versions[v])[0], jax.tree.leaves(pulled)):
+            assert np.array_equal(np.asarray(want).view(np.uint8), np.asarray(got).view(np.uint8)), path
+    assert sorted(learner.weights._held) == [2, 3] and next(learner.weights._ids) == 3    # 2 pulls scheduled
+    assert not list((learner.dir / "pulls").iterdir())
+    engine_sharding = json.loads((learner.dir / "engine.json").read_text())
+    assert engine_sharding["devices"] == 2
+
+
+def test_the_engines_layout_must_fit_the_learners_devices():
+    """An engine with more devices than the learner cannot be served shard for shard: one line naming the key."""
+    layout = describe_layout({"w": jax.device_put(jnp.zeros((4, 2)), NamedSharding(
+        Mesh(np.array(jax.devices()[:4]), ("x",)), PartitionSpec("x")))})
+    assert layout["meshes"][0] == {"axes": ["x"], "shape": [4], "positions": [0, 1, 2, 3]}
+    rebuilt = learner_shardings(layout, jax.devices()[::-1])["w"]          # the learner's devices in its order
+    assert rebuilt.spec == PartitionSpec("x") and list(rebuilt.mesh.devices) == jax.devices()[::-1][:4]
+    with pytest.raises(ExchangeError, match=r"^rollout.weight_transfer=device: the engine has 8 devices, the learner 2"):
+        learner_shardings(layout, jax.devices()[:2])
+
+
+def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch):
+    """The engine asked for version 0 and the learner scheduled it; before the pull runs, the learner's
+    next step donates its parameters and it offers versions 1 and 2, so 0 leaves the versions it holds:
+    the pull still gets version 0 bit for bit, a replicated parameter too (jax reuses a replicated array's
+    shards on a subset of its devices even with may_alias=False: the copy must be real). Afterwards the
+    learner holds its newest 2, and version 0 is gone. (Learner and engine in this process, with different
+    layouts: 2 x 4 devices against the first 2.)"""
+    engine_mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    learner_mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    values = {"w": np.arange(32, dtype=np.float32).reshape(8, 4), "b": np.arange(4, dtype=np.float32)}
+    like = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(engine_mesh, PartitionSpec("x"))),
+            "b": jax.device_put(np.zeros(4, np.float32), NamedSharding(engine_mesh, PartitionSpec()))}
+    learner_step = jax.jit(lambda state: jax.tree.map(lambda x: x + 1, state), donate_argnums=0)
+    state = {"w": jax.device_put(values["w"], NamedSharding(learner_mesh, PartitionSpec("b", "a"))),
+             "b": jax.device_put(values["b"], NamedSharding(learner_mesh, PartitionSpec()))}
+
+    (tmp_path / "weights").mkdir()
+    client = WeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
+    server = WeightServer(tmp_path, wait=lambda path, what: None)
+    try:
+        with jax.set_mesh(learner_mesh):          # as in the RL loop (`with dual:`): eager ops meet the context mesh
+            server.offer(state, 0)
+        pull_now = client._within_timeout
+
+        def after_two_steps(fn, what):
+            nonlocal state
+            for version in (1, 2):
+                state = learner_step(state)
+                with jax.set_mesh(learner_mesh):
+                    server.offer(state, version)
+            gc.collect()
+            return pull_now(fn, what)
+
+        monkeypatch.setattr(client, "_within_timeout", after_two_steps)
+        pulled = client.pull(0)
+        for name, want in values.items():
+            assert pulled[name].sharding == like[name].sharding and np.array_equal(np.asarray(pulled[name]), want), name
+        assert sorted(server._held) == [1, 2]
+        assert client.pull(0) is None and client.versions() == [1, 2]     # gone: the engine asks for the newest
+        monkeypatch.undo()
+        assert np.array_equal(np.asarray(client.pull(2)["b"]), values["b"] + 2)
+    finally:
+        server.close()
+
+
+def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
+    """tools/bench_weight_transfer.py at a tiny size: both transports deliver every version (the engine
+    process checks each) and the JSON has the side-by-side timings."""
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_weight_transfer.py"), "--mb", "2",
+                           "--versions", "3", "--json", str(out)], env=_engine_env(8), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "file/device" in done.stdout
+    results = json.loads(out.read_text())
+    for mode in ("file", "device"):
+        assert results[mode]["publish_s"] > 0 and results[mode]["delivered_s"] >= results[mode]["publish_s"]

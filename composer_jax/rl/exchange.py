@@ -7,7 +7,7 @@ hosts see:
     session.json                      the learner's running session: id, first batch index, sampler and group state
     engine-heartbeat                  a counter the engine rewrites every HEARTBEAT_S while it runs
     <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array);
-                                      the newest KEEP_VERSIONS kept
+                                      the newest KEEP_VERSIONS kept (weight_transfer=device: weight_transfer.py)
     <session>/batches/<index>.npz     one ProducedBatch for policy version `index`; removed once the learner read it
     <session>/stop                    the learner is done: the engine exits
     <session>/engine-failed           the engine's one-line failure: the learner stops with it
@@ -22,11 +22,10 @@ HEARTBEAT_GRACE_S (or rollout.engine_timeout_s, if shorter) stops with one line 
 host and process: a killed engine is noticed in seconds, not at the batch timeout. (The learner's own
 clock times the silence, so the hosts' clocks need not agree.)
 
-Why not device to device: `jax.experimental.transfer` (a pull-based transfer server) does move an
-array between two CPU processes on jax 0.10.2 (checked: one array pulled over loopback), but it is
-experimental, has no discovery or versioning of its own and no compatibility promise across jax
-versions; versioned snapshots in a shared directory work wherever both processes see one filesystem,
-at the cost of a host round trip and a write per version.
+Weights go through the directory as versioned snapshots (`rollout.weight_transfer=file`: works wherever
+both processes see one filesystem, at the cost of a host round trip and a write per version), or device
+to device (`weight_transfer=device`, rl/weight_transfer.py: JAX's transfer server; the directory then
+carries only small JSON files: the engine's layout, version announcements, pull requests).
 """
 
 from __future__ import annotations
@@ -264,8 +263,9 @@ class LearnerExchange:
     `settings`: the learner's `engine_settings`, which the engine checks its own against."""
 
     def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
-                 timeout_s: float, settings: dict | None = None):
+                 timeout_s: float, settings: dict | None = None, weight_transfer: str = "file"):
         self.root, self.index, self.timeout_s = Path(root), start_index, timeout_s
+        self.weight_transfer, self.weights = weight_transfer, None   # WeightServer: weight_transfer=device
         self.heartbeat = HeartbeatWatch(self.root, min(HEARTBEAT_GRACE_S, timeout_s))
         self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
                         "groups": group_counts, "settings": settings or {}}
@@ -280,33 +280,48 @@ class LearnerExchange:
             shutil.rmtree(self.root / previous["session"], ignore_errors=True)
         (self.dir / "weights").mkdir(parents=True)
         (self.dir / "batches").mkdir()
+        if self.weight_transfer == "device":
+            from composer_jax.rl.weight_transfer import WeightServer
+
+            self.weights = WeightServer(self.dir, self._wait_for)
         atomic_write(self.root / SESSION_FILE, json.dumps(self.session).encode())
 
     def publish(self, state, version: int) -> None:
-        """Policy parameters (copied to the host now: the next step may donate them) at `version`."""
+        """Policy parameters at `version`, copied now (the next step may donate them): to the host and the
+        directory, or (weight_transfer=device) into the engine's layout on this learner's devices."""
+        if self.weights is not None:
+            self.weights.offer(state, version)
+            return
         write_weights(_file(self.dir / "weights", version), state, version)
         for old in _numbered(self.dir / "weights")[:-KEEP_VERSIONS]:
             _file(self.dir / "weights", old).unlink(missing_ok=True)
 
-    def next_batch(self) -> ProducedBatch:
-        """The batch for the next index (waits up to timeout_s; ExchangeError if the engine failed or is silent)."""
-        path, deadline = _file(self.dir / "batches", self.index), time.monotonic() + self.timeout_s
+    def _wait_for(self, path: Path, what: str) -> None:
+        """Until `path` exists; ExchangeError once the engine failed, its heartbeat stood still or timeout_s passed."""
+        deadline = time.monotonic() + self.timeout_s
         while not path.exists():
             failed = self.dir / "engine-failed"
             if failed.exists():
                 raise ExchangeError(f"the rollout engine failed: {failed.read_text().strip()}")
             self.heartbeat.check()
             if time.monotonic() > deadline:
-                raise ExchangeError(f"no batch {self.index} from the rollout engine (composer-jax rl-engine) in "
+                raise ExchangeError(f"no {what} from the rollout engine (composer-jax rl-engine) in "
                                     f"{self.timeout_s:g} s (rollout.engine_timeout_s) in {self.dir.parent}: "
                                     "is it running with the same config?")
             time.sleep(POLL_S)
+
+    def next_batch(self) -> ProducedBatch:
+        """The batch for the next index (waits up to timeout_s; ExchangeError if the engine failed or is silent)."""
+        path = _file(self.dir / "batches", self.index)
+        self._wait_for(path, f"batch {self.index}")
         produced = read_batch(path)
         path.unlink()
         self.index += 1
         return produced
 
     def stop(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
         if self.dir.is_dir():
             atomic_write(self.dir / "stop", b"")
 
@@ -315,11 +330,16 @@ class EngineExchange:
     """The engine's side of one learner session: waits for weight versions (`wait_weights`), writes
     batches (`deliver`), sees the session end (`ended`)."""
 
-    def __init__(self, root: str | Path, session: dict, like, timeout_s: float):
+    def __init__(self, root: str | Path, session: dict, like, timeout_s: float, weight_transfer: str = "file"):
         self.root, self.session, self.like, self.timeout_s = Path(root), session, like, timeout_s
         self.dir = self.root / session["session"]
         self.loaded: int | None = None      # the version installed from this session
         self.versions: list[int] = []       # every version loaded, in order
+        self.weights = None                 # WeightClient: weight_transfer=device
+        if weight_transfer == "device":
+            from composer_jax.rl.weight_transfer import WeightClient
+
+            self.weights = WeightClient(self.dir, like, lambda: not self.ended(), timeout_s)
 
     @staticmethod
     def wait_session(root: str | Path, timeout_s: float, after: str | None = None) -> dict:
@@ -344,13 +364,13 @@ class EngineExchange:
         already loaded); None once the session ended; ExchangeError after timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         while not self.ended():
-            versions = _numbered(self.dir / "weights")
+            versions = self.weights.versions() if self.weights is not None else _numbered(self.dir / "weights")
             if versions and versions[-1] >= min_version:
-                if versions[-1] == self.loaded:
-                    return None, self.loaded
-                try:
-                    weights, version = read_weights(_file(self.dir / "weights", versions[-1]), self.like)
-                except FileNotFoundError:     # pruned meanwhile: a newer one is there
+                version = versions[-1]
+                if version == self.loaded:
+                    return None, version
+                weights = self._load(version)
+                if weights is None:         # pruned meanwhile (a newer one is there), or the session ended
                     continue
                 self.loaded = version
                 self.versions.append(version)
@@ -360,6 +380,14 @@ class EngineExchange:
                                     f"(rollout.engine_timeout_s) in {self.dir}")
             time.sleep(POLL_S)
         return None
+
+    def _load(self, version: int):
+        if self.weights is not None:
+            return self.weights.pull(version)
+        try:
+            return read_weights(_file(self.dir / "weights", version), self.like)[0]
+        except FileNotFoundError:
+            return None
 
     def deliver(self, produced: ProducedBatch) -> None:
         try:

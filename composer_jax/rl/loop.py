@@ -217,7 +217,7 @@ class RLTrainer:
             r = self.cfg.rollout
             return LearnerExchange(r.exchange_dir, start_index=start, sampler_state=self.sampler.state_dict(),
                                    group_counts=self.groups.state_dict(), timeout_s=r.engine_timeout_s,
-                                   settings=engine_settings(self.cfg))
+                                   settings=engine_settings(self.cfg), weight_transfer=r.weight_transfer)
         return RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, self.cfg,
                                start_index=start, workspace=self.tasks.workspace)
 
@@ -245,9 +245,9 @@ class RLTrainer:
         progress.status("compiling the engine and the RL step" if not self.remote else
                         f"compiling the RL step; batches from `composer-jax rl-engine` via {cfg.rollout.exchange_dir}")
         producer.start()
-        if self.remote:
-            producer.publish(nnx.state(self._policy()), start)
         try:
+            if self.remote:     # inside: a failure here still stops the engine (`finally`)
+                producer.publish(nnx.state(self._policy()), start)
             with StopSignals(progress.note) as stop, self.dual:
                 while step < cfg.rl.steps and not stop.requested:
                     produced = producer.next_batch()

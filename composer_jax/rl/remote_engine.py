@@ -86,7 +86,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
         session = EngineExchange.wait_session(root, timeout)
         tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir, cfg.warm_start.tasks)
         while True:
-            exchange = EngineExchange(root, session, agent.engine.state, timeout)
+            exchange = EngineExchange(root, session, agent.engine.state, timeout, cfg.rollout.weight_transfer)
             log(f"rl-engine: session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")
             summary["batches"] += _serve_session(cfg, agent, tasks, exchange)

@@ -45,6 +45,9 @@ class RolloutConfig:
     transport: Literal["thread", "directory"] = "thread"
     exchange_dir: str = ""          # directory transport: a directory both processes see ("": RUN_DIR/exchange)
     engine_timeout_s: float = 600.0  # directory transport: the learner's wait for a batch, the engine's for weights
+    # directory transport: weight versions as files in exchange_dir, or pulled device to device from the
+    # learner's devices (jax.experimental.transfer; rl/weight_transfer.py)
+    weight_transfer: Literal["file", "device"] = "file"
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
@@ -61,6 +64,9 @@ class RolloutConfig:
         if self.transport == "directory" and self.devices:
             raise ConfigError("devices", f"must be 0 with transport=directory (the engine uses its own process's "
                                          f"devices), got {self.devices}")
+        if self.weight_transfer == "device" and self.transport != "directory":
+            raise ConfigError("weight_transfer", "device needs transport=directory (with transport=thread the "
+                                                 "engine's weights are copied device to device already)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
 

@@ -1,0 +1,255 @@
+"""Weight versions device to device (`rollout.weight_transfer=device`, with rollout.transport=directory):
+the learner serves each version from its devices through JAX's transfer server (`jax.experimental.transfer`)
+and the engine pulls it straight into its own devices' memory, shard for shard; only small JSON files go
+through the exchange directory.
+
+    <session>/engine.json                  the engine's layout: its meshes (axis names, shape, the position of
+                                           each device in its device list) and each parameter's path, shape,
+                                           dtype, mesh and PartitionSpec
+    <session>/weights/<version>.json       a version the learner holds, and the address of its transfer server
+    <session>/pulls/<n>.json               the engine asks for a version
+    <session>/pulls/<n>.ready.json         the learner's answer: the pull's id, scheduled; or "gone" (a newer
+                                           version replaced it: the engine asks for the newest)
+
+A transfer moves shard i of the sender's array to shard i of the receiver's, so the learner first copies
+each parameter (device to device, `jax.device_put`) into the engine's layout on its own first devices: the
+engine's meshes rebuilt with the learner's devices at the same positions. That copy also keeps the
+version safe from the next step, which donates the parameters. The learner schedules a version only when
+the engine asks for it: a pull of one never scheduled hangs, and the transfer server holds a scheduled
+version's arrays until they are pulled, so scheduling every version would hold each one the engine skips
+forever. The learner itself holds the newest KEEP_VERSIONS copies.
+
+Limits: the learner is one process (its transfer server serves its own devices), and the engine has at
+most as many devices as the learner. The learner's server listens on its default route's address
+(COMPOSER_JAX_TRANSFER_HOST overrides it): the engine's host must reach it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from composer_jax.rl.exchange import ExchangeError, atomic_write
+from composer_jax.tree_paths import path_str
+
+KEEP_VERSIONS = 2           # versions the learner holds (the engine may be asking for the one before the newest)
+POLL_S = 0.05
+ENGINE_FILE = "engine.json"
+
+
+def _atomic_json(path: Path, value) -> None:
+    atomic_write(path, json.dumps(value).encode())
+
+
+def _server(host: str):
+    from jax.experimental import transfer
+
+    return transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
+
+
+def _host_address() -> str:
+    """The address an engine on another host connects to: COMPOSER_JAX_TRANSFER_HOST if set, else the
+    address of the interface of this host's default route (a host name may resolve to loopback), else
+    the host name's address."""
+    if os.environ.get("COMPOSER_JAX_TRANSFER_HOST"):
+        return os.environ["COMPOSER_JAX_TRANSFER_HOST"]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))          # no packet is sent: this only picks the route
+            return probe.getsockname()[0]
+    except OSError:
+        pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def describe_layout(state) -> dict:
+    """The engine's layout of `state` (its parameters: arrays with NamedShardings), for engine.json."""
+    devices = {d.id: i for i, d in enumerate(jax.devices())}
+    meshes, params = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        sharding = leaf.sharding
+        if not isinstance(sharding, NamedSharding):
+            raise ExchangeError(f"parameter '{path_str(path)}' has a {type(sharding).__name__}: weight_transfer=device "
+                                "needs NamedShardings")
+        mesh = {"axes": list(sharding.mesh.axis_names), "shape": list(sharding.mesh.devices.shape),
+                "positions": [devices[d.id] for d in sharding.mesh.devices.flat]}
+        if mesh not in meshes:
+            meshes.append(mesh)
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        params.append({"path": path_str(path), "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name,
+                       "mesh": meshes.index(mesh), "spec": spec})
+    return {"devices": len(devices), "meshes": meshes, "params": params}
+
+
+def learner_shardings(layout: dict, devices: list) -> dict[str, NamedSharding]:
+    """parameter path -> the engine's sharding rebuilt on `devices` (the learner's, the engine's positions)."""
+    if layout["devices"] > len(devices):
+        raise ExchangeError(f"rollout.weight_transfer=device: the engine has {layout['devices']} devices, the learner "
+                            f"{len(devices)}; the engine may have at most as many")
+    meshes = [Mesh(np.array([devices[i] for i in m["positions"]]).reshape(m["shape"]), tuple(m["axes"]))
+              for m in layout["meshes"]]
+    return {p["path"]: NamedSharding(meshes[p["mesh"]], PartitionSpec(*[tuple(s) if isinstance(s, list) else s
+                                                                       for s in p["spec"]]))
+            for p in layout["params"]}
+
+
+class WeightServer:
+    """The learner's side. `offer(state, version)` copies the parameters the engine's layout names into
+    that layout and announces the version; a thread schedules a held version for the engine's pull
+    when the engine asks. `wait(path, what)`: the exchange's bounded wait for a file (it checks the
+    engine's failure and heartbeat)."""
+
+    def __init__(self, session_dir: Path, wait: Callable[[Path, str], None]):
+        if jax.process_count() > 1:
+            raise ExchangeError("rollout.weight_transfer=device needs a learner of one process (each process's "
+                                "transfer server serves only its own devices); use weight_transfer=file")
+        self.dir, self._wait = session_dir, wait
+        self._server = _server(_host_address())
+        self._held: dict[int, list] = {}        # version -> its arrays in the engine's layout
+        self._shardings: list | None = None     # the engine's layout on this learner's devices, in parameter order
+        self._paths: list[str] = []
+        self._ids = itertools.count(1)
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self.error: Exception | None = None     # the serving thread's failure
+        (self.dir / "pulls").mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+        self._thread.start()
+
+    def _layout(self, flat: dict) -> None:
+        self._wait(self.dir / ENGINE_FILE, "the engine's layout (engine.json)")
+        layout = json.loads((self.dir / ENGINE_FILE).read_text())
+        shardings = learner_shardings(layout, jax.local_devices())
+        for p in layout["params"]:
+            have = flat.get(p["path"])
+            if have is None:
+                raise ExchangeError(f"the engine's parameter '{p['path']}' is not among the learner's")
+            if (list(have.shape), np.dtype(have.dtype).name) != (p["shape"], p["dtype"]):
+                raise ExchangeError(f"parameter '{p['path']}' is {np.dtype(have.dtype).name}{list(have.shape)} in the "
+                                    f"learner, {p['dtype']}{p['shape']} in the engine")
+        self._paths = [p["path"] for p in layout["params"]]
+        self._shardings = [shardings[path] for path in self._paths]
+
+    def offer(self, state, version: int) -> None:
+        """Hold `state`'s parameters at `version` (a copy in the engine's layout) and announce them."""
+        if self.error is not None:
+            raise ExchangeError(f"the learner's weight server failed: {type(self.error).__name__}: {self.error}")
+        flat = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+        if self._shardings is None:
+            self._layout(flat)
+        # A copy in the learner's layout first (device_put may reuse a replicated array's shards on a subset of
+        # its devices, may_alias=False or not, and the next step donates the parameters), then the engine's.
+        arrays = jax.block_until_ready(jax.device_put([jnp.copy(flat[p]) for p in self._paths], self._shardings))
+        with self._lock:
+            self._held[version] = arrays
+            for old in sorted(self._held)[:-KEEP_VERSIONS]:
+                del self._held[old]
+        _atomic_json(self.dir / "weights" / f"{version:08d}.json", {"version": version,
+                                                                     "address": self._server.address()})
+        for old in sorted(self.dir.glob("weights/[0-9]*.json"))[:-KEEP_VERSIONS]:
+            old.unlink(missing_ok=True)
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.wait(POLL_S):
+                for request in sorted(self.dir.glob("pulls/[0-9]*.json")):
+                    if not request.name.endswith(".ready.json") and not request.with_suffix(".ready.json").exists():
+                        self._answer(request)
+        except Exception as e:  # noqa: BLE001 - reported by the learner's next offer
+            self.error = e
+
+    def _answer(self, request: Path) -> None:
+        """Schedule the asked version for one pull (its id in the answer), or answer that it is gone."""
+        version = json.loads(request.read_text())["version"]
+        answer = {"gone": True}
+        with self._lock:
+            if version in self._held:
+                answer = {"version": version, "uuid": next(self._ids)}
+                self._server.await_pull(answer["uuid"], self._held[version])
+        _atomic_json(request.with_suffix(".ready.json"), answer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class WeightClient:
+    """The engine's side: describes its layout (`like`: its parameters) in the session, and pulls a
+    version into it (`pull`). `alive()` is False once the session ended; waits end after timeout_s."""
+
+    def __init__(self, session_dir: Path, like, alive: Callable[[], bool], timeout_s: float):
+        self.dir, self.like, self.alive, self.timeout_s = session_dir, like, alive, timeout_s
+        leaves, self._treedef = jax.tree_util.tree_flatten(like)
+        self._structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+        self._server = _server(_host_address())   # to connect from (reachable, should the transport connect back)
+        self._connections: dict[str, object] = {}
+        self._requests = itertools.count(1)
+        _atomic_json(self.dir / ENGINE_FILE, describe_layout(like))
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.stem) for p in self.dir.glob("weights/[0-9]*.json"))
+
+    def pull(self, version: int):
+        """The parameters at `version`, in the engine's layout; None if the learner no longer holds it
+        (or the session ended)."""
+        try:
+            address = json.loads((self.dir / "weights" / f"{version:08d}.json").read_text())["address"]
+        except FileNotFoundError:
+            return None
+        request = self.dir / "pulls" / f"{next(self._requests):08d}.json"
+        _atomic_json(request, {"version": version})
+        ready, deadline = request.with_suffix(".ready.json"), time.monotonic() + self.timeout_s
+        while not ready.exists():
+            if not self.alive():
+                return None
+            if time.monotonic() > deadline:
+                raise ExchangeError(f"the learner did not answer the pull of version {version} in {self.timeout_s:g} s "
+                                    f"(rollout.engine_timeout_s) in {self.dir}")
+            time.sleep(POLL_S)
+        answer = json.loads(ready.read_text())
+        if answer.get("gone"):
+            request.unlink()
+            ready.unlink()
+            return None
+        if address not in self._connections:
+            self._connections[address] = self._server.connect(address)
+        arrays = self._within_timeout(lambda: jax.block_until_ready(
+            self._connections[address].pull(answer["uuid"], self._structs)), f"the pull of version {version}")
+        request.unlink()
+        ready.unlink()
+        return jax.tree_util.tree_unflatten(self._treedef, arrays)
+
+    def _within_timeout(self, fn, what: str):
+        """fn() on a helper thread, or ExchangeError after timeout_s (a pull from a learner that died
+        mid-transfer never returns)."""
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(_result(fn)), name="weight-pull", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if not out:
+            raise ExchangeError(f"{what} from the learner did not finish in {self.timeout_s:g} s "
+                                "(rollout.engine_timeout_s)")
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _result(fn) -> tuple[bool, object]:
+    try:
+        return True, fn()
+    except Exception as e:  # noqa: BLE001 - re-raised on the calling thread
+        return False, e
