@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from composer_jax import CausalLM, load_config
+from composer_jax.config import ConfigError
 from composer_jax.optim.plan import dimension_numbers, pure
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
@@ -78,9 +79,10 @@ def test_self_distillation_vanishes_with_an_empty_hint(model):
     assert abs(empty_value) <= 1e-5 * value and empty_grad <= 1e-5 * grad
 
 
-def _reference_terms(graphdef, biases, rest, batch, cfg):
-    """Each term computed on its own, the plain way: full logits and, for the teacher, one numpy-built
-    sequence [row before the turn + hint + turn] per used feedback slot."""
+def _reference_terms(graphdef, biases, rest, batch, cfg, teacher_params=None):
+    """Each term computed on its own, the plain way: full logits and, for the teacher (the student's own
+    parameters under stop-gradient, or `teacher_params`), one numpy-built sequence [row before the turn +
+    hint + turn] per used feedback slot."""
     tokens = np.asarray(batch.tokens)
     b, s = tokens.shape
     mask = jnp.asarray(batch.generated, jnp.float32)
@@ -121,7 +123,8 @@ def _reference_terms(graphdef, biases, rest, batch, cfg):
 
     def sd(params):
         logits, _, _ = student(params)
-        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(params), biases, rest)
+        teacher = nnx.merge(graphdef, jax.lax.stop_gradient(params) if teacher_params is None else teacher_params,
+                            biases, rest)
         t_logits = teacher(jnp.asarray(padded))
         total = 0.0
         for i, (row, start, _, turn, pos) in enumerate(contexts):   # window slot j sits at column start + j
@@ -174,6 +177,36 @@ def test_fused_gradient_equals_sum_of_separate_terms(model):
     # Every term contributes, and some tokens hit the importance-weight cap.
     assert min(float(jnp.abs(v)) for v, _ in separate.values()) > 1e-4
     assert 0 < float(metrics["is_clip_frac"]) < 1
+
+
+@pytest.mark.parametrize("hint_len", [3, 0])
+def test_fixed_teacher_is_the_initial_policy(model, hint_len):
+    """sd_teacher=initial: once the policy has moved, the self-distillation term and the step's gradient
+    are those of a teacher with the parameters the step began with and a student with the current ones
+    (computed the plain way), not the live teacher's; with an empty hint too (the first turn token's
+    prediction is then the teacher's own at the last prefix token). It needs the full teacher context."""
+    batch = _batch(seed=3, hint_len=hint_len)
+    cfg = RLConfig(group_size=G, sd_coef=1.0, teacher_context="full", sd_teacher="initial", mtp_distill_weight=0.0,
+                   loss_chunk=8, max_tokens=24)
+    rl_step = RLStep(model, cfg)
+    state = rl_step.init_state(model)
+    noise = iter(jax.random.split(jax.random.key(4), len(jax.tree.leaves(state.params))))
+    moved = jax.tree.map(lambda x: x + 0.3 * jnp.std(x) * jax.random.normal(next(noise), x.shape, x.dtype), state.params)
+    state = state._replace(params=moved)
+    run = jax.jit(lambda st, b, t: loss_and_grads(rl_step.graphdef, rl_step.rest, st, b, cfg, t))
+    (loss, metrics), fused = run(state, batch, rl_step.teacher_params)
+    terms = _reference_terms(rl_step.graphdef, state.biases, rl_step.rest, batch, cfg, rl_step.teacher_params)
+    separate = jax.jit(lambda p: {k: jax.value_and_grad(terms[k])(p) for k in ("pg", "sd")})(moved)
+    for name, (value, _) in separate.items():
+        assert abs(float(metrics[f"loss_{name}"]) - float(value)) <= 1e-5 * abs(float(value)), name
+    assert abs(float(loss) - sum(float(v) for v, _ in separate.values())) <= 1e-5 * abs(float(loss))
+    summed = jax.tree.map(lambda a, b: a + b, separate["pg"][1], separate["sd"][1])
+    worst = max(_rel(a, b) for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(summed)))
+    assert worst <= 1e-5, worst
+    (_, live), _ = run(state, batch, None)
+    assert abs(float(live["loss_sd"]) - float(metrics["loss_sd"])) > 1e-3 * abs(float(metrics["loss_sd"]))
+    with pytest.raises(ConfigError, match="sd_teacher"):
+        RLConfig(group_size=G, sd_teacher="initial")
 
 
 def _on_policy(model, batch):

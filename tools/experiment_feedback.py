@@ -1,11 +1,11 @@
 """The targeted-feedback experiment: the toy tool-use task (answers go through a `submit` tool call)
-trained twice with the same seeds, without (sd_coef=0) and with (sd_coef=1) self-distillation on the
-flagged turns; writes OUT/feedback.json and OUT/feedback.png with the tool errors and the reward per
+trained twice with the same seeds, without (sd_coef=0) and with (sd_coef=1, or --sd-coef) self-distillation
+on the flagged turns; writes OUT/feedback.json and OUT/feedback.png with the tool errors and the reward per
 step of both runs. Tool errors are measured per turn (`tool_turn_error_rate`: a call that does not
 parse or validate, or no call at all) and per attempted call (`tool_error_rate`); only the first counts
 a policy that stops calling the tool, which then fails no call.
 
-    python tools/experiment_feedback.py OUT [key=value ...]     # overrides of both runs (rl-tiny based)
+    python tools/experiment_feedback.py OUT [--sd-coef C] [key=value ...]   # overrides of both runs (rl-tiny based)
 
 Each run is `composer-jax rl rl-tiny env.use_tool=true ...` in its own run directory under OUT.
 """
@@ -43,10 +43,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--sd-coef", type=float, default=1.0, help="rl.sd_coef of the run with self-distillation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for sd_coef in (0.0, 1.0):
+    for sd_coef in (0.0, args.sd_coef):
         records = run(args.out, sd_coef, args.overrides)
         results[f"sd_coef={sd_coef:g}"] = {key: [r.get(key) for r in records] for key in ("step", *SERIES)}
     fifth = lambda xs: max(1, len(xs) // 5)  # noqa: E731

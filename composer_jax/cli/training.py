@@ -183,7 +183,7 @@ def _run_rl_engine(args) -> int:
         print(f"composer-jax rl-engine: error: {e}", file=sys.stderr)
         return 1
     print(f"rl-engine: {s['batches']} batches, {s['sessions']} learner session(s), weight versions loaded "
-          f"{'; '.join(', '.join(map(str, v)) for v in s['versions'])}")
+          f"{'; '.join(', '.join(map(str, v)) for v in s['versions'] if v) or 'none'}")
     return 0
 
 

@@ -35,6 +35,10 @@ class RLConfig:
     sd_divergence: Literal["reverse_kl", "forward_kl", "jsd", "sampled_token"] = "reverse_kl"
     sd_jsd_beta: float = 0.5
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
+    # The teacher's parameters: the policy's own (live, under stop-gradient) or those it had when RL began
+    # (initial: fixed, after the warm start; OPSD's recommended teacher, rl.md 3.5); initial needs
+    # teacher_context=full (the prefix path would read the live student's latents)
+    sd_teacher: Literal["live", "initial"] = "live"
     mtp_distill_weight: float = 0.1     # MTP depths' self-distillation toward the policy (trains the depths only)
     loss_chunk: int = 512               # positions per logits block: [rows, chunk, vocab] f32 at a time
     remat: Literal["none", "full", "dots"] = "none"   # the student forward per layer, as train.remat
@@ -57,6 +61,8 @@ class RLConfig:
             ("entropy_coef", self.entropy_coef >= 0, "must be >= 0"),
             ("sd_coef", self.sd_coef >= 0, "must be >= 0"),
             ("sd_jsd_beta", 0 < self.sd_jsd_beta < 1, "must be in (0, 1)"),
+            ("sd_teacher", self.sd_teacher == "live" or self.teacher_context == "full",
+             "initial needs teacher_context=full: the prefix teacher attends to the live student's latents"),
             ("loss_chunk", self.loss_chunk > 0, "must be > 0"),
             ("steps", self.steps > 0, "must be > 0"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0 (0: every batch is sampled by the current policy)"),

@@ -204,6 +204,7 @@ class Heartbeat:
         count = 0
         while True:
             count += 1
+            self.path.parent.mkdir(parents=True, exist_ok=True)    # the directory may have been removed meanwhile
             atomic_write(self.path, json.dumps({"beat": count, "host": socket.gethostname(),
                                                 "pid": os.getpid()}).encode())
             if self._done.wait(self.every):

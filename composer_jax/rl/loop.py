@@ -145,8 +145,10 @@ class RLTrainer:
         with self.dual:
             shard_model(model, self.dual)
             self.warm_ce, self.warm_s = None, 0.0
-            # The warm start runs on a fresh run, and again on a resumed one that needs its reference policy.
-            if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0):
+            # The warm start runs on a fresh run, and again on a resumed one that needs the policy RL began
+            # with: the KL term's reference, or the fixed self-distillation teacher.
+            if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0
+                                         or cfg.rl.sd_teacher == "initial"):
                 env = self.tasks.make_env()
                 try:
                     # A hinted row holds what a teacher sees: up to the turn, then a feedback window.

@@ -173,10 +173,11 @@ def _metrics(terms: dict, sums: dict, maxes: dict, totals: StepTotals, batch: Ro
     return metrics
 
 
-def loss_and_grads(graphdef, rest, state: TrainState, batch: RolloutBatch, cfg: RLConfig):
+def loss_and_grads(graphdef, rest, state: TrainState, batch: RolloutBatch, cfg: RLConfig, teacher_params=None):
     """((loss, metrics), grads) of the fused objective over the whole batch ([B, ...] arrays, rows
     sharded over the data axes or not at all), accumulated over micro-batches of `cfg.micro_batch`
-    rows; grads shaped like `state.params`."""
+    rows; grads shaped like `state.params`. `teacher_params`: the self-distillation teacher's (fixed)
+    parameters; None: the policy's own under stop-gradient."""
     batch = jax.tree.map(gather_whole, batch)   # the model places each micro-batch on the dense grid itself
     rows = batch.tokens.shape[0]
     count = cfg.micro_batches(rows)
@@ -189,7 +190,7 @@ def loss_and_grads(graphdef, rest, state: TrainState, batch: RolloutBatch, cfg: 
 
         def loss_fn(params):
             model = nnx.merge(graphdef, params, state.biases, rest)
-            teacher = nnx.merge(graphdef, sg(params), state.biases, rest)
+            teacher = nnx.merge(graphdef, sg(params) if teacher_params is None else teacher_params, state.biases, rest)
             terms, sums, maxes = loss_terms(model, teacher, mb_batch, mb_advantages, totals, cfg)
             return sum(terms.values()), (terms, sums, maxes)
 

@@ -25,11 +25,11 @@ from composer_jax.train.update import apply_gradients
 
 
 def make_step(graphdef, rest, cfg: RLConfig, opt: Optimizer):
-    """The un-jitted step (TrainState, RolloutBatch) -> (TrainState, metrics of f32 scalars). The router
-    biases are left as they are: the RL update keeps the routing the sampler saw."""
+    """The un-jitted step (TrainState, RolloutBatch, teacher parameters or None) -> (TrainState, metrics
+    of f32 scalars). The router biases are left as they are: the RL update keeps the routing the sampler saw."""
 
-    def step(state: TrainState, batch: RolloutBatch):
-        (loss, metrics), grads = loss_and_grads(graphdef, rest, state, batch, cfg)
+    def step(state: TrainState, batch: RolloutBatch, teacher_params=None):
+        (loss, metrics), grads = loss_and_grads(graphdef, rest, state, batch, cfg, teacher_params)
         new = apply_gradients(opt, state.params, state.opt_state, grads, loss, cfg.optimizer.max_grad_norm)
         skipped = state.skipped + (~new.finite).astype(jnp.int32)
         metrics = dict(metrics, loss=loss, grad_norm=new.grad_norm, lr=opt.schedule(state.step), finite=new.finite,
@@ -42,7 +42,8 @@ def make_step(graphdef, rest, cfg: RLConfig, opt: Optimizer):
 class RLStep:
     """The jitted, donated RL step for one model structure, with host-side batch validation in front.
 
-        rl_step = RLStep(model, rl_cfg)             # laid out as the model is (`model.mesh`: a DualMesh or None)
+        rl_step = RLStep(model, rl_cfg)             # laid out as the model is (`model.mesh`: a DualMesh or None);
+                                                    # sd_teacher=initial: the model's parameters are the teacher's
         state = rl_step.init_state(model)           # shares the model's arrays (donated by the first step)
         state, metrics = rl_step(state, batch)
     """
@@ -53,6 +54,8 @@ class RLStep:
         meshes = self.dual.meshes if self.dual is not None else ()
         self.opt = make_optimizer(cfg.optimizer, cfg.steps, params, meshes)
         self.jitted = jax.jit(make_step(self.graphdef, self.rest, cfg, self.opt), donate_argnums=0)
+        # sd_teacher=initial: a copy of the parameters as they are now (the model's arrays are donated by the steps)
+        self.teacher_params = jax.tree.map(jnp.copy, params) if cfg.sd_teacher == "initial" else None
 
     def init_state(self, model: CausalLM) -> TrainState:
         """Step 0 with a fresh optimizer state, each leaf on its parameter's mesh."""
@@ -73,4 +76,4 @@ class RLStep:
     def __call__(self, state: TrainState, batch: RolloutBatch):
         """One step on this process's rows (a RolloutBatch of numpy arrays)."""
         self.validate(batch)
-        return self.jitted(state, device_batch(batch, self.dual))
+        return self.jitted(state, device_batch(batch, self.dual), self.teacher_params)

@@ -7,8 +7,9 @@ trajectories. `"full"` runs the naive teacher over [row before the turn + hint +
 the prefix path is tested against.
 
 The prediction of window slot j's token is the teacher's hidden state at slot j-1; for j = 0 (an empty
-hint) it is the hidden state of the last prefix token, which does not see the hint and therefore equals
-the student's (taken from the student, under stop-gradient).
+hint) it is the hidden state of the last prefix token, which does not see the hint: the prefix path
+takes it from the student (under stop-gradient; the same as the teacher's when the teacher is the live
+policy), the full path from its own forward (a fixed teacher's differs: rl.sd_teacher=initial).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _teacher_prefix(teacher: CausalLM, fb: Feedback, student_latents: LatentCach
 
 def _teacher_full(teacher: CausalLM, fb: Feedback, batch: RolloutBatch, k: int) -> jax.Array:
     """The naive teacher: a forward over [row before the turn + hint + turn] per window; returns its
-    hidden states at the window slots [N, T, embed]."""
+    hidden states predicting the window slots [N, T, embed] (slot j's from position start + j - 1)."""
     (n, window), seq = fb.tokens.shape, batch.tokens.shape[1]
     col = jnp.broadcast_to(jnp.arange(seq + window, dtype=jnp.int32)[None], (n, seq + window))
     in_prefix, rel = col < fb.start[:, None], col - fb.start[:, None]
@@ -84,17 +85,15 @@ def _teacher_full(teacher: CausalLM, fb: Feedback, batch: RolloutBatch, k: int) 
     positions = jnp.where(in_prefix, take_rows(repeat_rows(batch.positions, k, 0), col), take_rows(fb.positions, rel))
     segments = (rel < fb.length[:, None]).astype(jnp.int32)
     hidden = teacher.forward(tokens.astype(jnp.int32), segments, positions, with_mtp=False).hidden
-    return take_rows(hidden, fb.start[:, None] + jnp.arange(window)[None])
+    return take_rows(hidden, fb.start[:, None] - 1 + jnp.arange(window)[None])
 
 
 def teacher_predictions(teacher: CausalLM, student_hidden: jax.Array, student_latents, fb: Feedback,
                         batch: RolloutBatch, context: str) -> jax.Array:
     """The teacher hidden state predicting each window slot's token, [N, T, embed], no gradient."""
     k = batch.teacher_tokens.shape[1]
-    if context == "prefix":
-        hidden = _teacher_prefix(teacher, fb, student_latents, k)
-    else:
-        hidden = _teacher_full(teacher, fb, batch, k)
-    hidden = gather_sequence(hidden)
+    if context == "full":
+        return sg(gather_sequence(_teacher_full(teacher, fb, batch, k)))
+    hidden = gather_sequence(_teacher_prefix(teacher, fb, student_latents, k))
     last_prefix = take_rows(repeat_rows(student_hidden, k, 0), (fb.start - 1)[:, None])      # [N, 1, embed]
     return sg(jnp.concatenate([last_prefix.astype(hidden.dtype), hidden[:, :-1]], axis=1))
