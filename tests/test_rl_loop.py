@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
+from composer_jax.config import to_dict
 from composer_jax.envs import get_format, toy_tasks
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
@@ -278,3 +279,29 @@ def test_rollout_metrics_count_calls_carried_out_and_failed():
     assert metrics["tool_error_rate"] == pytest.approx(1 / 2)
     assert metrics["tool_turn_error_rate"] == pytest.approx(2 / 3)
     assert metrics["pass_rate"] == pytest.approx(1 / 3)
+
+
+def test_a_resumed_run_rebuilds_the_fixed_teacher(tmp_path):
+    """rl.sd_teacher=initial: a resumed run re-runs the warm start, so its fixed self-distillation teacher
+    is the one the run began with, bit for bit, while the policy comes from the checkpoint."""
+    cfg = _config(tmp_path / "run", "rl.sd_teacher=initial", "rl.teacher_context=full", "warm_start.steps=2",
+                  "warm_start.batch_size=8", "rollout.max_new_tokens=12", "rl.max_tokens=12",
+                  "rollout.transport=directory")    # no in-process engine to build: none runs here
+    first = RLTrainer(cfg)
+    try:
+        teacher = [np.asarray(x) for x in jax.tree.leaves(first.rl_step.teacher_params)]
+        moved = first.state._replace(step=first.state.step + 1, params=jax.tree.map(lambda x: x * 0.5, first.state.params))
+        policy = [np.asarray(x) for x in jax.tree.leaves(moved.params)]
+        first.checkpoints.save(1, moved, {"sampler": first.sampler.state_dict(), "groups": first.groups.state_dict()},
+                               to_dict(cfg))
+    finally:
+        first.checkpoints.close()
+    second = RLTrainer(cfg)
+    try:
+        assert second.resumed_from == 1 and second.version == 1
+        for want, got in zip(teacher, jax.tree.leaves(second.rl_step.teacher_params)):
+            assert np.array_equal(want, np.asarray(got))
+        for want, got in zip(policy, jax.tree.leaves(second.state.params)):
+            assert np.array_equal(want, np.asarray(got))
+    finally:
+        second.checkpoints.close()
