@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--sd-coef", type=float, default=1.0, help="rl.sd_coef of the run with self-distillation")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()       # the option may come between overrides
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for sd_coef in (0.0, args.sd_coef):
