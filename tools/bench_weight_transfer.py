@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=5)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
+    if args.versions < 2 or args.mb < 1:
+        parser.error("--versions must be >= 2 (the first is left out of the medians) and --mb >= 1")
     from composer_jax.cpu_devices import use_cpu_devices
 
     use_cpu_devices(8)
