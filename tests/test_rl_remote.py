@@ -362,3 +362,20 @@ def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
     results = json.loads(out.read_text())
     for mode in ("file", "device"):
         assert results[mode]["publish_s"] > 0 and results[mode]["delivered_s"] >= results[mode]["publish_s"]
+
+
+@pytest.mark.parametrize("command", ["rl", "rl-engine"])
+def test_a_multi_task_launch_is_refused_in_one_line(tmp_path, capsys, monkeypatch, command):
+    """`rl` and `rl-engine` run as one process: an srun step of several tasks (or COMPOSER_JAX_NUM_PROCESSES
+    > 1) is refused, naming the variable, before any run directory is made; a batch script's
+    SLURM_NTASKS (no step) is the whole job's and does not count (the config's own error comes instead)."""
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    status = cli.main([command, *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and "SLURM_NTASKS (an srun step) is 4" in err, err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.delenv("SLURM_STEP_ID")
+    status = cli.main([command, *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE, "rollout.batch_size=10"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "rollout.batch_size" in err, err

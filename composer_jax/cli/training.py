@@ -121,10 +121,24 @@ def _add_sft(sub) -> None:
     _add_training(sub, "sft", "sft-tiny", "supervised fine-tuning on conversations (loss on assistant tokens)")
 
 
+def _one_process_only(command: str) -> None:
+    """`rl` and `rl-engine` run as one process each: a launch of several tasks (srun, or
+    COMPOSER_JAX_NUM_PROCESSES > 1) would start independent copies writing the same run directory.
+    (A batch script outside srun also sees SLURM_NTASKS, of the whole job: only a job step's count counts.)"""
+    count, source = os.environ.get("COMPOSER_JAX_NUM_PROCESSES"), "COMPOSER_JAX_NUM_PROCESSES"
+    if not count and "SLURM_STEP_ID" in os.environ:
+        count, source = os.environ.get("SLURM_NTASKS"), "SLURM_NTASKS (an srun step)"
+    if count and count.strip().isdigit() and int(count) > 1:
+        raise ConfigError("", f"{command} runs as one process, but {source} is {count}: launch `composer-jax rl` and "
+                              "`composer-jax rl-engine` as one task each (srun --ntasks=1; README: Launching RL on a "
+                              "cluster)")
+
+
 def _load_rl(args):
     """The RL run config of `rl` / `rl-engine`, fake CPU devices set up before JAX starts."""
     from composer_jax.rl.run_config import load_rl_config
 
+    _one_process_only(args.command)
     if "=" in args.config:  # `composer-jax rl rl.steps=5`: an override, not a config
         args.overrides, args.config = [args.config, *args.overrides], args.default_config
     cfg = load_rl_config(args.config, args.overrides)
