@@ -180,15 +180,21 @@ def check_same_settings(learner: dict, engine: dict) -> None:
 # -- the directory ------------------------------------------------------------------------------------
 
 
-def _numbered(directory: Path) -> list[int]:
-    """The numbers of the whole files `<n>.npz` in `directory`, ascending (temporary files skipped)."""
+def numbered(directory: Path, suffix: str = ".npz") -> list[int]:
+    """The numbers of the whole files `<n><suffix>` in `directory`, ascending (temporary files skipped)."""
     if not directory.is_dir():
         return []
-    return sorted(int(p.stem) for p in directory.glob("[0-9]*.npz"))
+    return sorted(int(p.name[:-len(suffix)]) for p in directory.glob(f"[0-9]*{suffix}"))
 
 
-def _file(directory: Path, n: int) -> Path:
-    return directory / f"{n:08d}.npz"
+def numbered_file(directory: Path, n: int, suffix: str = ".npz") -> Path:
+    return directory / f"{n:08d}{suffix}"
+
+
+def prune(directory: Path, keep: int, suffix: str = ".npz") -> None:
+    """Remove all but the newest `keep` numbered files."""
+    for old in numbered(directory, suffix)[:-keep]:
+        numbered_file(directory, old, suffix).unlink(missing_ok=True)
 
 
 class Heartbeat:
@@ -293,9 +299,8 @@ class LearnerExchange:
         if self.weights is not None:
             self.weights.offer(state, version)
             return
-        write_weights(_file(self.dir / "weights", version), state, version)
-        for old in _numbered(self.dir / "weights")[:-KEEP_VERSIONS]:
-            _file(self.dir / "weights", old).unlink(missing_ok=True)
+        write_weights(numbered_file(self.dir / "weights", version), state, version)
+        prune(self.dir / "weights", KEEP_VERSIONS)
 
     def _wait_for(self, path: Path, what: str) -> None:
         """Until `path` exists; ExchangeError once the engine failed, its heartbeat stood still or timeout_s passed."""
@@ -313,7 +318,7 @@ class LearnerExchange:
 
     def next_batch(self) -> ProducedBatch:
         """The batch for the next index (waits up to timeout_s; ExchangeError if the engine failed or is silent)."""
-        path = _file(self.dir / "batches", self.index)
+        path = numbered_file(self.dir / "batches", self.index)
         self._wait_for(path, f"batch {self.index}")
         produced = read_batch(path)
         path.unlink()
@@ -365,7 +370,7 @@ class EngineExchange:
         already loaded); None once the session ended; ExchangeError after timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         while not self.ended():
-            versions = self.weights.versions() if self.weights is not None else _numbered(self.dir / "weights")
+            versions = self.weights.versions() if self.weights is not None else numbered(self.dir / "weights")
             if versions and versions[-1] >= min_version:
                 version = versions[-1]
                 if version == self.loaded:
@@ -386,13 +391,13 @@ class EngineExchange:
         if self.weights is not None:
             return self.weights.pull(version)
         try:
-            return read_weights(_file(self.dir / "weights", version), self.like)[0]
+            return read_weights(numbered_file(self.dir / "weights", version), self.like)[0]
         except FileNotFoundError:
             return None
 
     def deliver(self, produced: ProducedBatch) -> None:
         try:
-            write_batch(_file(self.dir / "batches", produced.index), produced)
+            write_batch(numbered_file(self.dir / "batches", produced.index), produced)
         except FileNotFoundError:       # a new learner session removed this one's directory
             if not self.ended():
                 raise

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from composer_jax.rl.exchange import ExchangeError, atomic_write
+from composer_jax.rl.exchange import ExchangeError, atomic_write, numbered, numbered_file, prune
 from composer_jax.tree_paths import path_str
 
 KEEP_VERSIONS = 2           # versions the learner holds (the engine may be asking for the one before the newest)
@@ -157,10 +157,9 @@ class WeightServer:
             self._held[version] = arrays
             for old in sorted(self._held)[:-KEEP_VERSIONS]:
                 del self._held[old]
-        _atomic_json(self.dir / "weights" / f"{version:08d}.json", {"version": version,
-                                                                     "address": self._server.address()})
-        for old in sorted(self.dir.glob("weights/[0-9]*.json"))[:-KEEP_VERSIONS]:
-            old.unlink(missing_ok=True)
+        _atomic_json(numbered_file(self.dir / "weights", version, ".json"),
+                     {"version": version, "address": self._server.address()})
+        prune(self.dir / "weights", KEEP_VERSIONS, ".json")
 
     def _serve(self) -> None:
         try:
@@ -200,16 +199,16 @@ class WeightClient:
         _atomic_json(self.dir / ENGINE_FILE, describe_layout(like))
 
     def versions(self) -> list[int]:
-        return sorted(int(p.stem) for p in self.dir.glob("weights/[0-9]*.json"))
+        return numbered(self.dir / "weights", ".json")
 
     def pull(self, version: int):
         """The parameters at `version`, in the engine's layout; None if the learner no longer holds it
         (or the session ended)."""
         try:
-            address = json.loads((self.dir / "weights" / f"{version:08d}.json").read_text())["address"]
+            address = json.loads(numbered_file(self.dir / "weights", version, ".json").read_text())["address"]
         except FileNotFoundError:
             return None
-        request = self.dir / "pulls" / f"{next(self._requests):08d}.json"
+        request = numbered_file(self.dir / "pulls", next(self._requests), ".json")
         _atomic_json(request, {"version": version})
         ready, deadline = request.with_suffix(".ready.json"), time.monotonic() + self.timeout_s
         while not ready.exists():
