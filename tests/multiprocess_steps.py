@@ -34,19 +34,11 @@ def _global_batch(cfg):
             "positions": np.where(segments > 0, np.arange(s), 0).astype(np.int32), "loss_mask": segments}
 
 
-def _local_rows(x, axis: int):
-    """This process's share of a global batch: its contiguous block of rows along `axis`."""
-    import jax
-    import numpy as np
-
-    return np.split(np.asarray(x), jax.process_count(), axis=axis)[jax.process_index()]
-
-
 def _host(tree):
     """Every leaf whole, as numpy, on every process."""
-    from jax.experimental import multihost_utils
+    from composer_jax.parallel.distributed import to_host
 
-    return multihost_utils.process_allgather(tree, tiled=True)
+    return to_host(tree)
 
 
 def _flat(prefix: str, tree) -> dict:
@@ -89,6 +81,7 @@ def run_steps(work_dir: Path, restore_from: Path | None) -> dict:
 
     from composer_jax.parallel.mesh import BATCH_AXES
     from composer_jax.rl import RLConfig, RLStep, synthetic_batch
+    from composer_jax.rl.ingest import process_rows
     from composer_jax.train import step as step_lib
     from composer_jax.train.checkpoints import RunCheckpoints
     from tests.rl_helpers import adam_first_moment
@@ -97,7 +90,7 @@ def run_steps(work_dir: Path, restore_from: Path | None) -> dict:
     dual = layout.dual
     step_fn = jax.jit(step_lib.make_train_step(cfg, layout.graphdef, layout.rest, layout.opt), donate_argnums=0)
     sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
-    batch = {k: jax.make_array_from_process_local_data(sharding, _local_rows(v, 1), v.shape)
+    batch = {k: jax.make_array_from_process_local_data(sharding, process_rows(v, 1), v.shape)
              for k, v in _global_batch(cfg).items()}
     out = {}
     with dual:
@@ -116,7 +109,7 @@ def run_steps(work_dir: Path, restore_from: Path | None) -> dict:
         rl_step = RLStep(model, rl_cfg)
         rl_batch = synthetic_batch(3, batch=RL_ROWS, seq=RL_SEQ, vocab_size=cfg.model.vocab_size, group_size=GROUP,
                                    with_ref=True)
-        rl_state, rl_metrics = rl_step(rl_step.init_state(model), jax.tree.map(lambda x: _local_rows(x, 0), rl_batch))
+        rl_state, rl_metrics = rl_step(rl_step.init_state(model), jax.tree.map(lambda x: process_rows(x, 0), rl_batch))
         out.update(_flat("rl/metrics", _host(rl_metrics)))
         out.update(_flat("rl/mu", _host(adam_first_moment(rl_state.opt_state))))
     return {k: np.asarray(v) for k, v in out.items()}

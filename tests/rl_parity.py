@@ -24,6 +24,10 @@ class ParityEnv:
     def hint_context(self):
         return HintContext((), "")
 
+    def demonstration(self, task) -> str:
+        """A rewarded answer (the warm start's target)."""
+        return "0"
+
     def reset(self, task):
         self.task = task
         return [{"role": "user", "content": task.prompt}]
@@ -41,10 +45,12 @@ class ParityEnv:
                           "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
 
 
-def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0) -> TaskSets:
+def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0, demos: bool = False) -> TaskSets:
+    """Six tasks (`crash_and_hang`: the first three crash, hang and cheat); `demos`: the tasks are the warm
+    start's demonstrations too."""
     tasks = toy_tasks("copy", 6, seed=5, length=2)
     if crash_and_hang:
         tasks[0] = dataclasses.replace(tasks[0], id="crash-0")
         tasks[1] = dataclasses.replace(tasks[1], id="hang-1")
         tasks[2] = dataclasses.replace(tasks[2], id="cheat-2")
-    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace")
+    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace", tasks if demos else [])

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -19,6 +20,8 @@ from composer_jax.cpu_devices import without_device_count
 from composer_jax.parallel.distributed import (EXIT_PEER_LOST, DistributedError, ProcessGroup, find_group,
                                                first_slurm_host)
 from tests.multiprocess_steps import restore_params, run_steps
+from tests.rl_parity import parity_tasks
+from tests.test_rl_loop import TINY
 from tests.test_train import write_code_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,17 +94,19 @@ def _launch(argv_of, n: int = 2) -> list[subprocess.Popen]:
 
 
 def _finish(procs, timeout: float) -> list[tuple[int, str]]:
-    """(exit status, stderr without gloo's connection chatter) of each process; all are ended by the deadline."""
-    deadline, out = time.monotonic() + timeout, []
+    """(exit status, stderr without gloo's connection chatter) of each process (its stdout: `stdout_text`);
+    all are ended by the deadline."""
+    deadline, results = time.monotonic() + timeout, []
     for p in procs:
         try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail(f"process {procs.index(p)} did not end within {timeout} s")
-        out.append((p.returncode, "\n".join(line for line in err.splitlines() if "[Gloo]" not in line)))
-    return out
+        p.stdout_text = "\n".join(line for line in (out or "").splitlines() if "[Gloo]" not in line)
+        results.append((p.returncode, "\n".join(line for line in err.splitlines() if "[Gloo]" not in line)))
+    return results
 
 
 def _worst_relative(ours: dict, ref: dict, prefix: str) -> tuple[float, str]:
@@ -236,3 +241,79 @@ def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
     assert status == EXIT_PEER_LOST, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("composer-jax pretrain: error: process 1 of 2 waited 5 s "
                                                    "(--init-timeout) for the group at localhost:"), err[-3000:]
+
+
+RL_OVERRIDES = [*TINY, "rollout.transport=directory", "rl.max_staleness=0", "rl.steps=3", "rl.kl_coef=0.05",
+                "warm_start.steps=2", "warm_start.batch_size=8", "eval.every=0", "checkpoint.every=3",
+                "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12", "rl.max_tokens=12"]
+
+
+def _rl_engine(run_dir: Path) -> subprocess.Popen:
+    """The rollout engine (tests/rl_engine_process.py: parity tasks) for the learner run in `run_dir`, on 2
+    devices of its own."""
+    env = {**_env(), "XLA_FLAGS": f"{_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()}
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *RL_OVERRIDES, f"run_dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _rl_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_rl_learner_of_two_processes_matches_one(tmp_path):
+    """`composer-jax rl` as 2 processes x 4 devices (warm start, reference policy, RL steps on the dual grid,
+    weights gathered to the exchange directory) with the rollout engine process beside it (the parity
+    tasks of tests/rl_parity.py: rewards and flagged turns from a near-random policy) trains as one
+    learner process with 8 devices does: the same batches (staleness 0: the engine samples each batch
+    with the weights of the step before), the same losses step for step; process 0 alone reports and
+    writes the metrics; the checkpoint both saved restores in one process."""
+    from flax import nnx
+
+    from composer_jax.rl.exchange import read_weights
+    from composer_jax.rl.loop import RLTrainer
+    from composer_jax.rl.run_config import load_rl_config
+
+    one = tmp_path / "one"
+    engine = _rl_engine(one)
+    try:
+        RLTrainer(load_rl_config("rl-tiny", [*RL_OVERRIDES, f"run_dir={one}"]), parity_tasks(demos=True)).run()
+        (status, err), = _finish([engine], LAUNCH_TIMEOUT_S)
+        assert status == 0, err[-3000:]
+    finally:
+        engine.kill()
+
+    two, port = tmp_path / "two", _free_port()
+    engine = _rl_engine(two)
+    learners = _launch(lambda i: [sys.executable, "-m", "tests.rl_learner_process", *RL_OVERRIDES, f"run_dir={two}",
+                                  "cpu_devices=4", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                  "--process-id", str(i)])
+    results = _finish([*learners, engine], LAUNCH_TIMEOUT_S)
+    for name, (status, err) in zip(("process 0", "process 1", "engine"), results):
+        assert status == 0, f"{name}:\n{err[-3000:]}"
+    assert learners[0].stdout_text.startswith("rl: steps 0 -> 3") and learners[1].stdout_text == ""
+
+    ours, ref = _rl_records(two), _rl_records(one)
+    assert [r["step"] for r in ours] == [r["step"] for r in ref] == [1, 2, 3]
+    compared = [k for k in ref[0] if k.startswith(("loss", "kl_", "grad_norm", "entropy", "reward", "tokens"))]
+    assert {"loss", "loss_sd", "kl_k1", "grad_norm"} <= set(compared), compared
+    assert all(r["tokens"] > 0 and r["loss_sd"] > 0 for r in ref) and any(r["trained_draws"] for r in ref), ref
+    assert ref[-1]["kl_k1"] != 0, "the policy never moved from the reference"
+    for a, b in zip(ours, ref):
+        assert a["batch_draws"] == b["batch_draws"] and a["trained_draws"] == b["trained_draws"], a["step"]
+        assert a["staleness_max"] == 0, a["step"]
+        for key in compared:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+    # The checkpoint the 2 processes saved restores in this one process (8 devices): the very weights they
+    # gathered and published for the engine after the last step.
+    restored = RLTrainer(load_rl_config("rl-tiny", [*RL_OVERRIDES, f"run_dir={two}"]), parity_tasks(demos=True))
+    try:
+        assert restored.resumed_from == 3
+        policy = nnx.state(restored._policy())
+        session = json.loads((two / "exchange" / "session.json").read_text())["session"]
+        published, version = read_weights(two / "exchange" / session / "weights" / "00000003.npz", policy)
+        assert version == 3
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(policy)[0], jax.tree.leaves(published)):
+            np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
+    finally:
+        restored.checkpoints.close()

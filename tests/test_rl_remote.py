@@ -100,7 +100,8 @@ def test_batch_file_round_trips_every_field(tmp_path):
 
 def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
     """A writer that dies before its rename leaves only a hidden temporary file: the learner keeps
-    waiting (then times out) instead of reading it; the completed write is read."""
+    waiting (then times out) instead of reading it; the completed write is read, and removed at the next
+    publish."""
     learner = LearnerExchange(tmp_path, start_index=5, sampler_state={}, group_counts={}, timeout_s=0.5)
     learner.start()
     target = learner.dir / "batches" / "00000005.npz"
@@ -116,7 +117,9 @@ def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
     with pytest.raises(ExchangeError, match="no batch 5 from the rollout engine"):
         learner.next_batch()
     write_batch(target, _produced())
-    assert learner.next_batch().index == 5 and not target.exists()
+    assert learner.next_batch().index == 5 and target.exists()   # until the next publish: every process has read it
+    learner.publish({"w": np.zeros(2, np.float32)}, 6)
+    assert not target.exists()
 
 
 def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_path):
@@ -364,18 +367,40 @@ def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
         assert results[mode]["publish_s"] > 0 and results[mode]["delivered_s"] >= results[mode]["publish_s"]
 
 
-@pytest.mark.parametrize("command", ["rl", "rl-engine"])
-def test_a_multi_task_launch_is_refused_in_one_line(tmp_path, capsys, monkeypatch, command):
-    """`rl` and `rl-engine` run as one process: an srun step of several tasks (or COMPOSER_JAX_NUM_PROCESSES
-    > 1) is refused, naming the variable, before any run directory is made; a batch script's
-    SLURM_NTASKS (no step) is the whole job's and does not count (the config's own error comes instead)."""
+def test_a_multi_task_engine_launch_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """`rl-engine` runs as one process: an srun step of several tasks (or COMPOSER_JAX_NUM_PROCESSES > 1) is
+    refused, naming the variable, before any run directory is made; a batch script's SLURM_NTASKS (no
+    step) is the whole job's and does not count (the config's own error comes instead)."""
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_STEP_ID", "0")
-    status = cli.main([command, *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE])
+    status = cli.main(["rl-engine", *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE])
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and "SLURM_NTASKS (an srun step) is 4" in err, err
     assert not (tmp_path / "run").exists()
     monkeypatch.delenv("SLURM_STEP_ID")
-    status = cli.main([command, *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE, "rollout.batch_size=10"])
+    status = cli.main(["rl-engine", *TINY, f"run_dir={tmp_path / 'run'}", *REMOTE, "rollout.batch_size=10"])
     err = capsys.readouterr().err.strip()
     assert status == 2 and "rollout.batch_size" in err, err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.transport=thread"], "config key 'rollout.transport': a learner of 2 processes trains on the batches of "
+                                   "`composer-jax rl-engine`"),
+    ([*REMOTE, "rollout.weight_transfer=device"], "config key 'rollout.weight_transfer': device needs a learner of one process"),
+    ([*REMOTE, "eval.every=5"], "config key 'eval.every': the held-out evaluation runs an engine inside the learner"),
+    ([*REMOTE, "eval.every=0", "rollout.batch_size=4"], "config key 'rollout.batch_size': 4 trajectories do not split into "
+                                                        "whole groups of rl.group_size=4 over 2 processes"),
+    ([*REMOTE, "eval.every=0", "env.kind=coding", "env.repo={tmp}"], "config key 'env.tasks_dir': 2 learner processes would each make the coding "
+                                                   "tasks"),
+])
+def test_a_learner_group_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, monkeypatch, overrides, message):
+    """`composer-jax rl` as one task of an srun step of 2: a setting a learner of several processes cannot
+    run with is one line naming the key, before the group forms (no process waits for a peer)."""
+    for key, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_STEP_ID": "0",
+                       "SLURM_STEP_NODELIST": "localhost"}.items():
+        monkeypatch.setenv(key, value)
+    status = cli.main(["rl", *TINY, f"run_dir={tmp_path / 'run'}", *[o.format(tmp=tmp_path) for o in overrides],
+                       "--init-timeout", "1"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run").exists()

@@ -27,7 +27,9 @@ def _run_training(args, command: str) -> int:
     quiet_logging()
     from composer_jax.train.lifecycle import interrupted_line
 
-    s, reports = _train_in_group(args, cfg, command)
+    from composer_jax.train.loop import train
+
+    s, reports = _in_group(args, command, lambda: train(cfg))
     if "interrupted" in s:
         if reports:
             print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
@@ -49,33 +51,42 @@ def _run_training(args, command: str) -> int:
     return 0
 
 
-def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
-    """Train alone, or as one process of the group the flags and the environment describe
-    (parallel/distributed.py): (the run's summary, whether this process reports it: alone or process 0).
-    A process that fails tells its peers (they stop with its reason) and exits at once: JAX's exit-time
-    shutdown would wait for peers that are gone."""
-    import jax
-
-    from composer_jax.parallel.distributed import DistributedError, find_group, initialize
-    from composer_jax.train.loop import train
+def _find_group(args):
+    """The process group the flags and the environment describe (parallel/distributed.py), or None."""
+    from composer_jax.parallel.distributed import DistributedError, find_group
 
     try:
-        group = find_group(coordinator=args.coordinator, num_processes=args.num_processes,
-                           process_id=args.process_id, coordinator_port=args.coordinator_port)
-        watchdog = group and initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
-                                        label=f"composer-jax {command}")
+        return find_group(coordinator=args.coordinator, num_processes=args.num_processes,
+                          process_id=args.process_id, coordinator_port=args.coordinator_port)
     except DistributedError as e:  # a usage error too: one line
         raise ConfigError("", str(e)) from None
+
+
+def _in_group(args, command: str, run, one_line: tuple = ()) -> tuple[dict, bool]:
+    """`run()` alone, or as one process of the group the flags and the environment describe: (its summary,
+    whether this process reports it: alone or process 0). A process that fails tells its peers (they stop
+    with its reason) and exits at once (JAX's exit-time shutdown would wait for peers that are gone), with
+    one line for a usage error or one of `one_line` (status 1), else the traceback."""
+    import jax
+
+    from composer_jax.parallel.distributed import DistributedError, initialize
+
+    group = _find_group(args)
     if group is None:
-        return train(cfg), True
+        return run(), True
     try:
-        summary = train(cfg)
+        watchdog = initialize(group, peer_timeout_s=args.peer_timeout, init_timeout_s=args.init_timeout,
+                              label=f"composer-jax {command}")
+    except DistributedError as e:
+        raise ConfigError("", str(e)) from None
+    try:
+        summary = run()
     except BaseException as e:  # noqa: BLE001 - every failure must reach the peers before this process ends
         if isinstance(e, jax.errors.JaxRuntimeError):  # a failed collective: is a peer gone?
             watchdog.await_peers()
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         watchdog.fail(f"{type(e).__name__}: {reason}")
-        if isinstance(e, USAGE_ERRORS):
+        if isinstance(e, (*USAGE_ERRORS, *one_line)):
             print(f"composer-jax {command}: error: {e}", file=sys.stderr)
         else:
             traceback.print_exc()
@@ -86,10 +97,10 @@ def _train_in_group(args, cfg, command: str) -> tuple[dict, bool]:
     return summary, group.process_id == 0
 
 
-def _add_distributed_flags(p) -> None:
+def _add_distributed_flags(p, note: str = "") -> None:
     g = p.add_argument_group("multi-process (one process per host)",
                              "By default the group comes from SLURM (srun) or a Kubernetes indexed Job / JobSet "
-                             "(JOB_COMPLETION_INDEX); these flags override it. Without either: one process.")
+                             f"(JOB_COMPLETION_INDEX); these flags override it. Without either: one process. {note}")
     g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address (its coordination service)")
     g.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the group")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
@@ -122,26 +133,30 @@ def _add_sft(sub) -> None:
 
 
 def _one_process_only(command: str) -> None:
-    """`rl` and `rl-engine` run as one process each: a launch of several tasks (srun, or
-    COMPOSER_JAX_NUM_PROCESSES > 1) would start independent copies writing the same run directory.
-    (A batch script outside srun also sees SLURM_NTASKS, of the whole job: only a job step's count counts.)"""
+    """`rl-engine` runs as one process: a launch of several tasks (srun, or COMPOSER_JAX_NUM_PROCESSES > 1)
+    would start independent engines on one exchange directory. (A batch script outside srun also sees
+    SLURM_NTASKS, of the whole job: only a job step's count counts.)"""
     count, source = os.environ.get("COMPOSER_JAX_NUM_PROCESSES"), "COMPOSER_JAX_NUM_PROCESSES"
     if not count and "SLURM_STEP_ID" in os.environ:
         count, source = os.environ.get("SLURM_NTASKS"), "SLURM_NTASKS (an srun step)"
     if count and count.strip().isdigit() and int(count) > 1:
-        raise ConfigError("", f"{command} runs as one process, but {source} is {count}: launch `composer-jax rl` and "
-                              "`composer-jax rl-engine` as one task each (srun --ntasks=1; README: Launching RL on a "
-                              "cluster)")
+        raise ConfigError("", f"{command} runs as one process, but {source} is {count}: launch `composer-jax "
+                              "rl-engine` as one task (srun --ntasks=1; README: Launching RL on a cluster)")
 
 
 def _load_rl(args):
-    """The RL run config of `rl` / `rl-engine`, fake CPU devices set up before JAX starts."""
+    """The RL run config of `rl` / `rl-engine`, fake CPU devices set up before JAX starts; a multi-process
+    learner (`rl` in a process group) must take its batches from `rl-engine`."""
     from composer_jax.rl.run_config import load_rl_config
 
-    _one_process_only(args.command)
+    if args.command == "rl-engine":
+        _one_process_only(args.command)
     if "=" in args.config:  # `composer-jax rl rl.steps=5`: an override, not a config
         args.overrides, args.config = [args.config, *args.overrides], args.default_config
     cfg = load_rl_config(args.config, args.overrides)
+    group = _find_group(args) if args.command == "rl" else None
+    if group is not None:       # checked before the group forms: no process waits for a peer that stopped
+        cfg.check_processes(group.num_processes)
     use_cpu_devices(cfg.cpu_devices)
     quiet_logging()
     return cfg
@@ -154,13 +169,16 @@ def _run_rl(args) -> int:
     from composer_jax.train.lifecycle import interrupted_line
 
     try:
-        s = train_rl(cfg)
+        s, reports = _in_group(args, "rl", lambda: train_rl(cfg), one_line=(ExchangeError,))
     except ExchangeError as e:   # the engine process failed or is silent
         print(f"composer-jax rl: error: {e}", file=sys.stderr)
         return 1
     if "interrupted" in s:
-        print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+        if reports:
+            print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
         return s["exit_status"]
+    if not reports:
+        return 0
     line = f"rl: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_fifth_reward" in s:
         line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
@@ -177,13 +195,16 @@ def _rl_parser(sub, name: str, help_text: str, description: str, config_help: st
     p.add_argument("config", nargs="?", default=default, help=f"{config_help} (default: {default})")
     p.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
     p.set_defaults(run=run, default_config=default)
+    return p
 
 
 def _add_rl(sub) -> None:
     help_text = "asynchronous agent RL (rollouts by the inference engine, the fused RL step)"
-    _rl_parser(sub, "rl", help_text, f"{help_text}. Resumes from RUN_DIR/checkpoints when present.",
-               "an RL run YAML path or a bundled config name", "dotted config overrides, e.g. rl.steps=20 "
-               "rollout.devices=2", _run_rl)
+    p = _rl_parser(sub, "rl", help_text, f"{help_text}. Resumes from RUN_DIR/checkpoints when present.",
+                   "an RL run YAML path or a bundled config name", "dotted config overrides, e.g. rl.steps=20 "
+                   "rollout.devices=2", _run_rl)
+    _add_distributed_flags(p, "A learner of several processes trains on the batches of `composer-jax rl-engine` "
+                              "(rollout.transport=directory).")
 
 
 def _run_rl_engine(args) -> int:

@@ -280,3 +280,26 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def to_host(tree):
+    """Every leaf of `tree` whole, as numpy, on every process (in a group: a collective, as `any_process`;
+    `jax.device_get` cannot fetch an array sharded over other processes' devices)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def agree(text: str) -> str:
+    """Process 0's `text` (ASCII), on every process of the group (a collective)."""
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode("ascii"), np.uint8)
+    length = int(multihost_utils.broadcast_one_to_all(np.asarray(len(data), np.int32)))
+    padded = np.zeros(length, np.uint8)
+    padded[:min(length, len(data))] = data[:length]
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)).decode("ascii")

@@ -47,6 +47,7 @@ import numpy as np
 
 from composer_jax.config import to_dict
 from composer_jax.envs.monitor import Finding, Report
+from composer_jax.parallel.distributed import agree, to_host
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.rollout import ProducedBatch
 from composer_jax.rl.run_config import RLRunConfig
@@ -111,10 +112,12 @@ def unpack(path: Path) -> tuple[list[np.ndarray], dict]:
 
 
 def write_weights(path: Path, state, version: int) -> None:
-    """The parameters `state` (an nnx.State or any pytree of arrays) as a flat parameter path -> array file."""
-    flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]
-    atomic_write(path, pack([np.asarray(x) for _, x in flat], {"version": version,
-                                                                 "paths": [path_str(p) for p, _ in flat]}))
+    """The parameters `state` (an nnx.State or any pytree of arrays) as a flat parameter path -> array file.
+    In a process group every process calls it (the arrays are gathered) and process 0 writes."""
+    flat = jax.tree_util.tree_flatten_with_path(to_host(state))[0]
+    if jax.process_index() == 0:
+        atomic_write(path, pack([np.asarray(x) for _, x in flat], {"version": version,
+                                                                     "paths": [path_str(p) for p, _ in flat]}))
 
 
 def read_weights(path: Path, like):
@@ -267,7 +270,11 @@ class LearnerExchange:
     """The learner's side, with the calls of RolloutProducer's learner side (start, publish, next_batch,
     stop). `start_index`: the first batch's policy version; the sampler and group state the engine
     starts from (the checkpoint's on a resumed run); `timeout_s`: how long next_batch waits;
-    `settings`: the learner's `engine_settings`, which the engine checks its own against."""
+    `settings`: the learner's `engine_settings`, which the engine checks its own against.
+
+    A learner of several processes (a process group) calls every method in every process: process 0
+    writes the session, the weights and the stop marker; each process reads every batch. A batch file is
+    removed at the next `publish`, a collective every process reaches only after reading it."""
 
     def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
                  timeout_s: float, settings: dict | None = None, weight_transfer: str = "file"):
@@ -277,10 +284,15 @@ class LearnerExchange:
         self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
                         "groups": group_counts, "settings": settings or {}}
         self.dir = self.root / self.session["session"]
+        self._read: list[Path] = []         # batch files read, removed at the next publish
 
     def start(self) -> None:
         """Open a new session (the previous run's removed: only the one session.json names, since the
         directory may hold other files)."""
+        self.session["session"] = agree(self.session["session"])    # process 0's, in a group
+        self.dir = self.root / self.session["session"]
+        if jax.process_index() != 0:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         previous = read_session(self.root)
         if previous is not None:
@@ -298,9 +310,14 @@ class LearnerExchange:
         directory, or (weight_transfer=device) into the engine's layout on this learner's devices."""
         if self.weights is not None:
             self.weights.offer(state, version)
-            return
-        write_weights(numbered_file(self.dir / "weights", version), state, version)
-        prune(self.dir / "weights", KEEP_VERSIONS)
+        else:
+            write_weights(numbered_file(self.dir / "weights", version), state, version)
+        if jax.process_index() == 0:
+            if self.weights is None:
+                prune(self.dir / "weights", KEEP_VERSIONS)
+            for path in self._read:
+                path.unlink(missing_ok=True)
+        self._read.clear()
 
     def _wait_for(self, path: Path, what: str) -> None:
         """Until `path` exists; ExchangeError once the engine failed, its heartbeat stood still or timeout_s passed."""
@@ -321,14 +338,14 @@ class LearnerExchange:
         path = numbered_file(self.dir / "batches", self.index)
         self._wait_for(path, f"batch {self.index}")
         produced = read_batch(path)
-        path.unlink()
+        self._read.append(path)
         self.index += 1
         return produced
 
     def stop(self) -> None:
         if self.weights is not None:
             self.weights.close()
-        if self.dir.is_dir():
+        if self.dir.is_dir() and jax.process_index() == 0:
             atomic_write(self.dir / "stop", b"")
 
 

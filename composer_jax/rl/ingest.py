@@ -26,6 +26,16 @@ def global_rows(batch: RolloutBatch) -> int:
     return int(np.shape(batch.tokens)[0]) * jax.process_count()
 
 
+def process_rows(x, axis: int = 0) -> np.ndarray:
+    """This process's share of an array every process holds whole: its contiguous block along `axis` (the
+    rows its devices hold under a mesh ordered process by process, `parallel.distributed.process_major_devices`)."""
+    x = np.asarray(x)
+    n = jax.process_count()
+    if x.shape[axis] % n:
+        raise BatchError("tokens", f"{x.shape[axis]} rows do not split evenly over the {n} processes")
+    return np.split(x, n, axis=axis)[jax.process_index()]
+
+
 def data_shards(dual: DualMesh | None) -> int:
     """How many ways rows are split: the dense mesh's data-parallel size (1 without a DualMesh)."""
     return 1 if dual is None else math.prod(dual.dense.shape[axis] for axis in BATCH_AXES)

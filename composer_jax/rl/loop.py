@@ -42,8 +42,9 @@ from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
+from composer_jax.parallel.distributed import any_process, process_major_devices
 from composer_jax.rl.exchange import LearnerExchange, engine_settings
-from composer_jax.rl.ingest import data_shards
+from composer_jax.rl.ingest import data_shards, process_rows
 from composer_jax.rl.reference import ReferencePolicy
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, group_assembler
 from composer_jax.rl.run_config import RLRunConfig
@@ -53,14 +54,15 @@ from composer_jax.rl.task_sets import TaskSets, task_sets
 from composer_jax.rl.warm_start import demonstrations, warm_start
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.checkpoints import RunCheckpoints
-from composer_jax.train.lifecycle import StopSignals
+from composer_jax.train.lifecycle import StopSignals, interruption
 
 log = logging.getLogger(__name__)
 
 
 def split_devices(cfg: RLRunConfig) -> tuple[list, list | None]:
-    """(learner devices, engine devices or None when the engine shares the learner's)."""
-    devices = jax.devices()
+    """(learner devices, engine devices or None when the engine shares the learner's); in a process group
+    every process's devices, process by process (the data axes span hosts)."""
+    devices = process_major_devices()
     k = cfg.rollout.devices
     if not k:
         return devices, None
@@ -131,6 +133,7 @@ class RLTrainer:
     def _build(self) -> None:
         cfg = self.cfg
         self.resumed_from = self.checkpoints.latest_step()
+        cfg.check_processes(jax.process_count())
         learner_devices, engine_devices = split_devices(cfg)
         self.dual = DualMesh(cfg.mesh, learner_devices, model=cfg.model)
         shards = data_shards(self.dual)
@@ -232,12 +235,14 @@ class RLTrainer:
         say so in the summary: `interrupted`, `exit_status`, `checkpoint`)."""
         cfg = self.cfg
         start = step = self.version
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        lead = jax.process_index() == 0     # in a process group, process 0 alone writes and shows progress
         keep_through = -1 if self.resumed_from is None else start    # each step's lines once
-        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=keep_through)
-        cut_examples(self.run_dir / "monitor.jsonl", keep_through)
-        progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress)
+        if lead:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            cut_examples(self.run_dir / "monitor.jsonl", keep_through)
+        writer = metrics_lib.MetricsWriter(self.run_dir if lead else None, keep_through=keep_through)
+        progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress, muted=not lead)
         producer = self._rollouts(start)
         overlap, rewards, dropped_stale = Overlap(), [], 0
         summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce,
@@ -251,7 +256,9 @@ class RLTrainer:
             if self.remote:     # inside: a failure here still stops the engine (`finally`)
                 producer.publish(nnx.state(self._policy()), start)
             with StopSignals(progress.note) as stop, self.dual:
-                while step < cfg.rl.steps and not stop.requested:
+                # In a group every process stops after the same step (a signal may reach only some).
+                stopping, stopped = (lambda: any_process(stop.requested is not None)), False  # noqa: E731
+                while step < cfg.rl.steps and not (stopped := stopping()):
                     produced = producer.next_batch()
                     overlap.add("rollout", produced.busy)
                     stale = _staleness(produced, step)
@@ -259,7 +266,8 @@ class RLTrainer:
                         dropped_stale += 1
                         continue
                     began = time.time()
-                    batch = produced.batch if self.reference is None else self.reference.annotate(produced.batch)
+                    batch = jax.tree.map(process_rows, produced.batch)     # this process's groups
+                    batch = batch if self.reference is None else self.reference.annotate(batch)
                     self.state, step_metrics = self.rl_step(self.state, batch)
                     # A copy before the next step donates the arrays: on the host (directory) or in the engine's layout.
                     producer.publish(nnx.state(self._policy()) if self.remote else
@@ -284,8 +292,9 @@ class RLTrainer:
                               "trained_draws": [p.draw for p in produced.trained],
                               "trained_tasks": [p.task_id for p in produced.trained],
                               "feedback_only_draws": produced.feedback_only}
-                    write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
-                                   episode_ids=[k for k, _ in produced.reports])
+                    if lead:
+                        write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
+                                       episode_ids=[k for k, _ in produced.reports])
                     if cfg.eval.every and self.tasks.held_out and (step % cfg.eval.every == 0 or step == cfg.rl.steps):
                         record.update(self._evaluate(step))
                         progress.write(f"step {step}: held-out pass@1 {record['eval_pass@1']:.3f}")
@@ -297,7 +306,7 @@ class RLTrainer:
                     if step % cfg.checkpoint.every == 0 or step == cfg.rl.steps:
                         self._save(step, produced)
                         saved = step
-                if stop.requested and last is not None and saved != step:
+                if stopped and last is not None and saved != step:
                     self._save(step, last)
                     saved = step
                 self.checkpoints.wait()
@@ -308,9 +317,9 @@ class RLTrainer:
             if rewards:
                 summary.update(first_fifth_reward=float(np.mean(rewards[:fifth])),
                                last_fifth_reward=float(np.mean(rewards[-fifth:])))
-            if stop.requested and step < cfg.rl.steps:
+            if stopped and step < cfg.rl.steps:
                 checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
-                summary.update(interrupted=stop.name, exit_status=stop.exit_status, checkpoint=checkpoint)
+                summary.update(interruption(stop, checkpoint))
         finally:
             producer.stop()
             if self.agent is not None:

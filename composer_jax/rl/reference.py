@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from composer_jax.parallel.distributed import to_host
 from composer_jax.parallel.partitioning import gather_sequence
 from composer_jax.rl import losses
 from composer_jax.rl.batch import RolloutBatch
-from composer_jax.rl.ingest import device_batch
+from composer_jax.rl.ingest import device_batch, process_rows
 from composer_jax.rl.rows import chunked
 
 
@@ -35,8 +36,9 @@ class ReferencePolicy:
         self._logprobs = jax.jit(logprobs)
 
     def annotate(self, batch: RolloutBatch) -> RolloutBatch:
-        """`batch` (numpy) with ref_logprobs f32[B, S]: log pi_ref(token) on generated tokens, 0 elsewhere."""
+        """`batch` (numpy; this process's rows) with ref_logprobs f32[B, S]: log pi_ref(token) on generated
+        tokens, 0 elsewhere."""
         on_device = device_batch(batch, self.dual)
         logp = self._logprobs(self.state, on_device.tokens, on_device.segment_ids, on_device.positions,
                               on_device.generated)
-        return batch._replace(ref_logprobs=np.asarray(jax.device_get(logp), np.float32))
+        return batch._replace(ref_logprobs=np.asarray(process_rows(to_host(logp)), np.float32))

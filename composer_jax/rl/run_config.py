@@ -171,6 +171,34 @@ class RLRunConfig:
     def prompts_per_step(self) -> int:
         return self.rollout.batch_size // self.rl.group_size
 
+    def check_processes(self, n: int) -> None:
+        """ConfigError naming the key a learner of `n` processes (a process group) cannot run with: it
+        trains on the batches of `composer-jax rl-engine` (rollout.transport=directory) with weights through
+        the directory, each process on its own block of whole groups, with no engine of its own to evaluate."""
+        if n == 1:
+            return
+        if self.rollout.transport != "directory":
+            raise ConfigError("rollout.transport", f"a learner of {n} processes trains on the batches of "
+                                                   "`composer-jax rl-engine`: set rollout.transport=directory and "
+                                                   "start the engine")
+        if self.rollout.weight_transfer == "device":
+            raise ConfigError("rollout.weight_transfer", f"device needs a learner of one process (a transfer server "
+                                                         f"serves only its own process's devices); with {n} use file")
+        if self.eval.every:
+            raise ConfigError("eval.every", f"the held-out evaluation runs an engine inside the learner, which a "
+                                            f"learner of {n} processes cannot: set eval.every=0 and evaluate a "
+                                            "checkpoint with `composer-jax eval`")
+        if self.rollout.batch_size % (n * self.rl.group_size):
+            raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories do not split into whole "
+                                                    f"groups of rl.group_size={self.rl.group_size} over {n} processes")
+        if self.env.kind == "coding" and not self.env.tasks_dir:
+            raise ConfigError("env.tasks_dir", f"{n} learner processes would each make the coding tasks in RUN_DIR/"
+                                               "tasks: make them once (`composer-jax tasks feature-deletion`) and set "
+                                               "env.tasks_dir")
+        if self.warm_start.steps and self.warm_start.batch_size % n:
+            raise ConfigError("warm_start.batch_size", f"{self.warm_start.batch_size} rows do not split over {n} "
+                                                       "processes")
+
 
 def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
     """An RL run YAML (a path or a bundled name such as rl-tiny), overrides applied, validated; run and

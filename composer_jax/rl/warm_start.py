@@ -21,6 +21,7 @@ from composer_jax.config import ConfigError
 from composer_jax.envs import TokenEpisode
 from composer_jax.model import CausalLM
 from composer_jax.parallel.mesh import BATCH_AXES
+from composer_jax.rl.ingest import process_rows
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.train.config import OptimizerConfig, RunConfig, TrainConfig
 from composer_jax.train.metrics import Progress
@@ -115,7 +116,8 @@ def warm_start(model: CausalLM, cfg: RLRunConfig, demos: dict[str, np.ndarray]) 
     with dual:
         for i in range(ws.steps):
             rows = rng.choice(len(demos["tokens"]), ws.batch_size, replace=len(demos["tokens"]) < ws.batch_size)
-            batch = {k: jax.make_array_from_process_local_data(sharding, v[rows][None]) for k, v in demos.items()}
+            batch = {k: jax.make_array_from_process_local_data(sharding, process_rows(v[rows][None], 1))
+                     for k, v in demos.items()}     # every process draws the same rows and hands over its block
             state, metrics = step(state, batch)
             if i == 0:                              # compiled: tokens/s counts from here
                 progress.status("warm start")

@@ -114,9 +114,6 @@ class WeightServer:
     engine's failure and heartbeat)."""
 
     def __init__(self, session_dir: Path, wait: Callable[[Path, str], None]):
-        if jax.process_count() > 1:
-            raise ExchangeError("rollout.weight_transfer=device needs a learner of one process (each process's "
-                                "transfer server serves only its own devices); use weight_transfer=file")
         self.dir, self._wait = session_dir, wait
         self._server = _server(_host_address())
         self._held: dict[int, list] = {}        # version -> its arrays in the engine's layout

@@ -78,6 +78,14 @@ class StopSignals:
         self._previous = {}
 
 
+def interruption(stop: StopSignals, checkpoint: str | None) -> dict:
+    """A stopped run's summary entries: `interrupted` (the signal's name), `exit_status`, `checkpoint`. In a
+    process group a process may stop with no signal of its own (another process got it): SIGTERM's status."""
+    signum = stop.requested or signal.SIGTERM
+    return {"interrupted": stop.name or "a signal to another process", "exit_status": exit_status(signum),
+            "checkpoint": checkpoint}
+
+
 def interrupted_line(command: str, signal_name: str, step: int, checkpoint: str | None, argv) -> str:
     """The one line a stopped run prints: the signal, the step, the checkpoint to resume from (None: there
     is none yet) and the command that resumes."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from composer_jax.train import step as step_lib
 from composer_jax.train.batches import Batches
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, to_dict
-from composer_jax.train.lifecycle import StopSignals, exit_status, schedule_on_resume
+from composer_jax.train.lifecycle import StopSignals, interruption, schedule_on_resume
 from composer_jax.train.state import StateLayout, TrainState
 
 log = logging.getLogger(__name__)
@@ -248,9 +247,7 @@ class Trainer:
                            skipped_records=self.batches.skips.summary(), end_step=step)
             if stopping and step < tc.steps:
                 checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
-                signum = stop.requested or signal.SIGTERM   # none here: another process of the group got it
-                summary.update(interrupted=stop.name or "a signal to another process", exit_status=exit_status(signum),
-                               checkpoint=checkpoint)
+                summary.update(interruption(stop, checkpoint))
         finally:
             progress.close()
             writer.close()
