@@ -291,7 +291,8 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     results = _finish([*learners, engine], LAUNCH_TIMEOUT_S)
     for name, (status, err) in zip(("process 0", "process 1", "engine"), results):
         assert status == 0, f"{name}:\n{err[-3000:]}"
-    assert learners[0].stdout_text.startswith("rl: steps 0 -> 3") and learners[1].stdout_text == ""
+    # (gloo's chatter may split lines of stdout)
+    assert re.search(r"^rl: steps 0 -> 3 ", learners[0].stdout_text, re.M) and "rl:" not in learners[1].stdout_text
 
     ours, ref = _rl_records(two), _rl_records(one)
     assert [r["step"] for r in ours] == [r["step"] for r in ref] == [1, 2, 3]

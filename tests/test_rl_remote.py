@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from composer_jax import cli
-from composer_jax.config import MeshConfig
+from composer_jax.config import ConfigError, MeshConfig
 from composer_jax.cpu_devices import without_device_count
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
@@ -29,8 +29,8 @@ from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
                                       engine_settings, read_batch, read_weights, write_batch, write_weights)
-from composer_jax.rl.loop import RLTrainer
-from composer_jax.rl.rollout import ProducedBatch
+from composer_jax.rl.loop import RLTrainer, engine_states
+from composer_jax.rl.rollout import ProducedBatch, engine_sampling
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler
 from composer_jax.rl.weight_transfer import WeightClient, WeightServer, describe_layout, learner_shardings
@@ -102,7 +102,7 @@ def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
     """A writer that dies before its rename leaves only a hidden temporary file: the learner keeps
     waiting (then times out) instead of reading it; the completed write is read, and removed at the next
     publish."""
-    learner = LearnerExchange(tmp_path, start_index=5, sampler_state={}, group_counts={}, timeout_s=0.5)
+    learner = LearnerExchange(tmp_path, start_index=5, engine_states=[{}], timeout_s=0.5)
     learner.start()
     target = learner.dir / "batches" / "00000005.npz"
 
@@ -126,11 +126,11 @@ def test_a_new_session_replaces_the_previous_and_reports_a_failed_engine(tmp_pat
     """A restarted learner removes the previous session only (the directory may hold other files) and
     the engine side sees that session end; an engine's failure line reaches the learner at once."""
     (tmp_path / "other").mkdir()
-    first = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=60)
+    first = LearnerExchange(tmp_path, start_index=0, engine_states=[{}], timeout_s=60)
     first.start()
     engine = EngineExchange(tmp_path, EngineExchange.wait_session(tmp_path, 1), like={}, timeout_s=60)
     assert engine.session["session"] == first.session["session"] and not engine.ended()
-    second = LearnerExchange(tmp_path, start_index=3, sampler_state={}, group_counts={}, timeout_s=60)
+    second = LearnerExchange(tmp_path, start_index=3, engine_states=[{}], timeout_s=60)
     second.start()
     assert engine.ended() and not first.dir.exists() and (tmp_path / "other").is_dir()
     assert EngineExchange.wait_session(tmp_path, 1, after=first.session["session"])["start"] == 3
@@ -145,12 +145,12 @@ def test_a_killed_engine_is_noticed_by_its_heartbeat(tmp_path, monkeypatch):
     learner within the grace period, naming the engine's process, long before the timeout."""
     monkeypatch.setattr(exchange_lib, "HEARTBEAT_GRACE_S", 0.5)
     (tmp_path / exchange_lib.HEARTBEAT_FILE).write_text('{"beat": 7, "host": "old", "pid": 1}')
-    learner = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=2)
+    learner = LearnerExchange(tmp_path, start_index=0, engine_states=[{}], timeout_s=2)
     learner.start()
     with pytest.raises(ExchangeError, match="^no batch 0 from the rollout engine"):
         learner.next_batch()
 
-    learner = LearnerExchange(tmp_path, start_index=0, sampler_state={}, group_counts={}, timeout_s=60)
+    learner = LearnerExchange(tmp_path, start_index=0, engine_states=[{}], timeout_s=60)
     learner.start()
     with exchange_lib.Heartbeat(tmp_path, every=0.05):
         time.sleep(0.3)
@@ -220,12 +220,73 @@ def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, 
     assert draws == list(range(len(draws))), draws
 
 
+@pytest.mark.slow
+def test_two_engine_processes_take_turns_each_on_its_share_of_the_tasks(tmp_path, monkeypatch):
+    """rollout.engines=2: two engine processes (2 devices each) against the learner here (8 devices),
+    rl.max_staleness=1: 4 steps, then the learner dies without its stop marker and the run resumes to 6.
+    Batch i comes from engine i % 2, which draws only from its half of the tasks; each engine's draws run
+    in sequence over the whole run (the checkpoint resumed each from its own sampler state); staleness
+    stays within the bound and both engines load several weight versions and follow the new session."""
+    run_dir = tmp_path / "run"
+    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300",
+                 "rollout.engines=2"]
+    engines = [_engine(["--engine", str(k), *overrides, "rl.steps=6"]) for k in range(2)]
+    try:
+        with monkeypatch.context() as killed:
+            killed.setattr(LearnerExchange, "stop", lambda self: None)
+            first = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=4"]), parity_tasks()).run()
+        second = RLTrainer(load_rl_config("rl-tiny", [*overrides, "rl.steps=6"]), parity_tasks()).run()
+        outs = [engine.communicate(timeout=120) for engine in engines]
+    finally:
+        for engine in engines:
+            if engine.poll() is None:
+                engine.kill()
+                engine.communicate()
+    for engine, (_, err) in zip(engines, outs):
+        assert engine.returncode == 0, err[-3000:]
+    assert (first["end_step"], second["start_step"], second["end_step"]) == (4, 4, 6)
+    for out, _ in outs:
+        served = json.loads(out.strip().splitlines()[-1])
+        assert served["sessions"] == 2 and all(len(set(v)) >= 2 for v in served["versions"]), served
+
+    ids = list(parity_tasks().train)
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    draws = {0: [], 1: []}
+    for r in records:
+        engine = (r["step"] - 1) % 2            # no batch dropped: batch i trains at step i + 1
+        assert r["dropped_stale_batches"] == 0 and 0 <= r["staleness_max"] <= 1, r
+        assert set(r["trained_tasks"]) <= set(ids[engine::2]), (r["step"], r["trained_tasks"])
+        draws[engine] += r["batch_draws"]
+    assert all(d == list(range(len(d))) for d in draws.values()), draws
+
+
+def test_each_engine_samples_its_share_and_a_checkpoint_resumes_only_its_engine_count(tmp_path):
+    """Engine k of n samples tasks k, k + n, ... with its own random stream; a share left empty, or a
+    checkpoint of another engine count, is one ConfigError naming rollout.engines."""
+    cfg = _config(tmp_path, *REMOTE, "rollout.engines=3")
+    ids = [f"t{i}" for i in range(7)]
+    shares = [sorted(engine_sampling(cfg, ids, k)[0].stats) for k in range(3)]
+    assert shares == [["t0", "t3", "t6"], ["t1", "t4"], ["t2", "t5"]]
+    assert engine_sampling(cfg, ids, 1)[0].cfg.seed == cfg.sampler.seed + 1
+    with pytest.raises(ConfigError, match="rollout.engines.*3 engines for 2 training tasks: engine 2 has none"):
+        engine_sampling(cfg, ids[:2], 2)
+    one = {"sampler": {"draws": 4}, "groups": {}}
+    assert engine_states(one, 1) == [one] and engine_states({"engines": [one, one]}, 2) == [one, one]
+    with pytest.raises(ConfigError, match=r"rollout.engines.*holds the task sampling of 1 engine\(s\), not 2: resume "
+                                          r"with rollout.engines=1"):
+        engine_states(one, 2)
+
+
 @pytest.mark.parametrize("command, overrides, key", [
     ("rl", ["rollout.exchange_dir={tmp}/missing"], "rollout.exchange_dir"),
     ("rl-engine", ["rollout.exchange_dir={tmp}/missing"], "rollout.exchange_dir"),
     ("rl", ["run_dir={tmp}/a_file/run"], "rollout.exchange_dir"),         # the default RUN_DIR/exchange: unwritable
     ("rl", ["rollout.devices=2"], "rollout.devices"),
     ("rl", ["rollout.transport=thread", "rollout.weight_transfer=device"], "rollout.weight_transfer"),
+    ("rl", ["rollout.engines=2", "rollout.transport=thread"], "rollout.engines"),
+    ("rl", ["rollout.engines=2", "rollout.weight_transfer=device"], "rollout.engines"),
+    ("rl-engine", ["rollout.engines=2", "--engine", "2"], "rollout.engines"),
 ])
 def test_bad_remote_settings_are_one_line_naming_the_key(tmp_path, capsys, command, overrides, key):
     (tmp_path / "a_file").write_text("")
@@ -262,7 +323,7 @@ def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
     state = nnx.state(model)
     versions = {v: jax.tree.map(lambda x, v=v: x + v if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
                 for v in range(4)}
-    learner = LearnerExchange(tmp_path / "x", start_index=0, sampler_state={}, group_counts={}, timeout_s=60,
+    learner = LearnerExchange(tmp_path / "x", start_index=0, engine_states=[{}], timeout_s=60,
                               weight_transfer="device")
     learner.start()
     out = tmp_path / "pulled"

@@ -65,7 +65,7 @@ def learner_side(mode: str, mb: int, versions: int) -> dict:
            "XLA_FLAGS": f"{without_device_count(os.environ.get('XLA_FLAGS', ''))} "
                         "--xla_force_host_platform_device_count=2".strip()}
     engine = subprocess.Popen([sys.executable, __file__, "--engine", root, mode, str(mb), str(versions)], env=env)
-    learner = LearnerExchange(root, start_index=0, sampler_state={}, group_counts={}, timeout_s=120,
+    learner = LearnerExchange(root, start_index=0, engine_states=[{}], timeout_s=120,
                               weight_transfer=mode)
     learner.start()
     publish_s, delivered_s = [], []

@@ -213,7 +213,7 @@ def _run_rl_engine(args) -> int:
     from composer_jax.rl.remote_engine import serve
 
     try:
-        s = serve(cfg)
+        s = serve(cfg, engine=args.engine)
     except ExchangeError as e:   # the learner is silent, or the config is not a directory-transport run
         print(f"composer-jax rl-engine: error: {e}", file=sys.stderr)
         return 1
@@ -224,11 +224,14 @@ def _run_rl_engine(args) -> int:
 
 def _add_rl_engine(sub) -> None:
     help_text = "the rollout engine of an RL run as a separate process (rollout.transport=directory)"
-    _rl_parser(sub, "rl-engine", help_text,
-               f"{help_text}: start it with the learner's config (`composer-jax rl`); it takes weight versions "
-               "from rollout.exchange_dir and writes batches there, and exits when the learner stops.",
-               "the learner's RL run YAML path or bundled config name",
-               "the learner's dotted overrides, e.g. rollout.transport=directory", _run_rl_engine)
+    p = _rl_parser(sub, "rl-engine", help_text,
+                   f"{help_text}: start it with the learner's config (`composer-jax rl`); it takes weight versions "
+                   "from rollout.exchange_dir and writes batches there, and exits when the learner stops.",
+                   "the learner's RL run YAML path or bundled config name",
+                   "the learner's dotted overrides, e.g. rollout.transport=directory", _run_rl_engine)
+    p.add_argument("--engine", type=int, default=0, metavar="K",
+                   help="this engine's index, 0..rollout.engines-1: it samples its share of the tasks and writes "
+                        "batches K, K + rollout.engines, ... (default: 0)")
 
 
 def _run_plot(args) -> int:

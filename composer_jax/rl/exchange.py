@@ -4,11 +4,13 @@
 The exchange directory (`rollout.exchange_dir`, default RUN_DIR/exchange) lies on a filesystem both
 hosts see:
 
-    session.json                      the learner's running session: id, first batch index, sampler and group state
-    engine-heartbeat                  a counter the engine rewrites every HEARTBEAT_S while it runs
+    session.json                      the learner's running session: id, first batch index, each engine's
+                                      sampler and group state
+    engine-heartbeat[-<k>]            a counter engine k (0: no suffix) rewrites every HEARTBEAT_S while it runs
     <session>/weights/<version>.npz   the policy's parameters at a version (parameter path -> array);
                                       the newest KEEP_VERSIONS kept (weight_transfer=device: weight_transfer.py)
-    <session>/batches/<index>.npz     one ProducedBatch for policy version `index`; removed once the learner read it
+    <session>/batches/<index>.npz     one ProducedBatch for policy version `index`, by engine index % rollout.engines;
+                                      removed at the learner's next publish
     <session>/stop                    the learner is done: the engine exits
     <session>/engine-failed           the engine's one-line failure: the learner stops with it
 
@@ -200,12 +202,16 @@ def prune(directory: Path, keep: int, suffix: str = ".npz") -> None:
         numbered_file(directory, old, suffix).unlink(missing_ok=True)
 
 
+def heartbeat_path(root: str | Path, engine: int = 0) -> Path:
+    return Path(root) / (HEARTBEAT_FILE if engine == 0 else f"{HEARTBEAT_FILE}-{engine}")
+
+
 class Heartbeat:
-    """The engine's side: a thread rewriting `root/engine-heartbeat` (a counter, host and pid) every
+    """Engine `engine`'s side: a thread rewriting its heartbeat file (a counter, host and pid) every
     `every` seconds until `stop()`."""
 
-    def __init__(self, root: str | Path, every: float = HEARTBEAT_S):
-        self.path, self.every, self._done = Path(root) / HEARTBEAT_FILE, every, threading.Event()
+    def __init__(self, root: str | Path, every: float = HEARTBEAT_S, engine: int = 0):
+        self.path, self.every, self._done = heartbeat_path(root, engine), every, threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._beat, name="engine-heartbeat", daemon=True)
 
@@ -233,8 +239,8 @@ class HeartbeatWatch:
     still for `grace_s` seconds of this process's clock (a heartbeat never seen changing proves nothing:
     it may be a dead engine's file from before a restart)."""
 
-    def __init__(self, root: str | Path, grace_s: float):
-        self.path, self.grace_s = Path(root) / HEARTBEAT_FILE, grace_s
+    def __init__(self, root: str | Path, grace_s: float, engine: int = 0, name: str = "the rollout engine"):
+        self.path, self.grace_s, self.name = heartbeat_path(root, engine), grace_s, name
         self.last: str | None = None
         self.read_once = False
         self.changed_at: float | None = None    # monotonic time it was last seen to change (None: not yet)
@@ -255,7 +261,7 @@ class HeartbeatWatch:
                 who = f"pid {who['pid']} on {who['host']}"
             except (TypeError, ValueError, KeyError):
                 who = "its process"
-            raise ExchangeError(f"the rollout engine ({who}) stopped: its heartbeat in {self.path} has not changed "
+            raise ExchangeError(f"{self.name} ({who}) stopped: its heartbeat in {self.path} has not changed "
                                 f"in {now - self.changed_at:.0f} s")
 
 
@@ -268,21 +274,25 @@ def read_session(root: Path) -> dict | None:
 
 class LearnerExchange:
     """The learner's side, with the calls of RolloutProducer's learner side (start, publish, next_batch,
-    stop). `start_index`: the first batch's policy version; the sampler and group state the engine
-    starts from (the checkpoint's on a resumed run); `timeout_s`: how long next_batch waits;
-    `settings`: the learner's `engine_settings`, which the engine checks its own against.
+    stop). `start_index`: the first batch's policy version; `engine_states`: per engine ({"sampler",
+    "groups"}), the sampler and group state it starts from (the checkpoint's on a resumed run); batch i
+    comes from engine i % len(engine_states); `timeout_s`: how long next_batch waits; `settings`: the
+    learner's `engine_settings`, which each engine checks its own against.
 
     A learner of several processes (a process group) calls every method in every process: process 0
     writes the session, the weights and the stop marker; each process reads every batch. A batch file is
     removed at the next `publish`, a collective every process reaches only after reading it."""
 
-    def __init__(self, root: str | Path, *, start_index: int, sampler_state: dict, group_counts: dict,
-                 timeout_s: float, settings: dict | None = None, weight_transfer: str = "file"):
+    def __init__(self, root: str | Path, *, start_index: int, engine_states: list[dict], timeout_s: float,
+                 settings: dict | None = None, weight_transfer: str = "file"):
         self.root, self.index, self.timeout_s = Path(root), start_index, timeout_s
         self.weight_transfer, self.weights = weight_transfer, None   # WeightServer: weight_transfer=device
-        self.heartbeat = HeartbeatWatch(self.root, min(HEARTBEAT_GRACE_S, timeout_s))
-        self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "sampler": sampler_state,
-                        "groups": group_counts, "settings": settings or {}}
+        n = len(engine_states)
+        self.heartbeats = [HeartbeatWatch(self.root, min(HEARTBEAT_GRACE_S, timeout_s), k,
+                                          "the rollout engine" if n == 1 else f"rollout engine {k} of {n}")
+                           for k in range(n)]
+        self.session = {"session": uuid.uuid4().hex[:12], "start": start_index, "engines": engine_states,
+                        "settings": settings or {}}
         self.dir = self.root / self.session["session"]
         self._read: list[Path] = []         # batch files read, removed at the next publish
 
@@ -319,14 +329,15 @@ class LearnerExchange:
                 path.unlink(missing_ok=True)
         self._read.clear()
 
-    def _wait_for(self, path: Path, what: str) -> None:
-        """Until `path` exists; ExchangeError once the engine failed, its heartbeat stood still or timeout_s passed."""
+    def _wait_for(self, path: Path, what: str, engine: int = 0) -> None:
+        """Until `path` exists (`engine` writes it); ExchangeError once an engine failed, that engine's heartbeat
+        stood still or timeout_s passed."""
         deadline = time.monotonic() + self.timeout_s
         while not path.exists():
             failed = self.dir / "engine-failed"
             if failed.exists():
                 raise ExchangeError(f"the rollout engine failed: {failed.read_text().strip()}")
-            self.heartbeat.check()
+            self.heartbeats[engine].check()
             if time.monotonic() > deadline:
                 raise ExchangeError(f"no {what} from the rollout engine (composer-jax rl-engine) in "
                                     f"{self.timeout_s:g} s (rollout.engine_timeout_s) in {self.dir.parent}: "
@@ -336,7 +347,9 @@ class LearnerExchange:
     def next_batch(self) -> ProducedBatch:
         """The batch for the next index (waits up to timeout_s; ExchangeError if the engine failed or is silent)."""
         path = numbered_file(self.dir / "batches", self.index)
-        self._wait_for(path, f"batch {self.index}")
+        engine = self.index % len(self.heartbeats)
+        self._wait_for(path, f"batch {self.index}" + (f" (engine {engine})" if len(self.heartbeats) > 1 else ""),
+                       engine)
         produced = read_batch(path)
         self._read.append(path)
         self.index += 1

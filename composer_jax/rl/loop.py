@@ -46,9 +46,8 @@ from composer_jax.parallel.distributed import any_process, process_major_devices
 from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.ingest import data_shards, process_rows
 from composer_jax.rl.reference import ReferencePolicy
-from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, group_assembler
+from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, engine_sampling
 from composer_jax.rl.run_config import RLRunConfig
-from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.step import RLStep
 from composer_jax.rl.task_sets import TaskSets, task_sets
 from composer_jax.rl.warm_start import demonstrations, warm_start
@@ -57,6 +56,15 @@ from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.lifecycle import StopSignals, interruption
 
 log = logging.getLogger(__name__)
+
+
+def engine_states(data: dict, engines: int) -> list[dict]:
+    """Each engine's {"sampler", "groups"} from a checkpoint's data (one engine: the dict itself)."""
+    states = data["engines"] if "engines" in data else [data]
+    if len(states) != engines:
+        raise ConfigError("rollout.engines", f"the checkpoint holds the task sampling of {len(states)} engine(s), not "
+                                             f"{engines}: resume with rollout.engines={len(states)}")
+    return states
 
 
 def split_devices(cfg: RLRunConfig) -> tuple[list, list | None]:
@@ -173,12 +181,12 @@ class RLTrainer:
                                         self.state)
                 self.checkpoints.check_model(abstract, "run_dir")
                 self.state, data = self.checkpoints.restore(abstract)
-        ids = list(self.tasks.train)
-        self.sampler = (TaskSampler(ids, cfg.sampler) if data is None
-                        else TaskSampler.from_state(data["sampler"], ids, cfg.sampler))
-        self.groups = group_assembler(cfg, self.sampler)
-        if data is not None:
-            self.groups.load_state(data["groups"])
+        # Each engine's sampler and group state (one engine: the in-process producer's, `self.sampler`).
+        saved = [None] * cfg.rollout.engines if data is None else engine_states(data, cfg.rollout.engines)
+        sampling = [engine_sampling(cfg, self.tasks.train, k, state) for k, state in enumerate(saved)]
+        self.sampler, self.groups = sampling[0]
+        self.engine_states = [{"sampler": sampler.state_dict(), "groups": groups.state_dict()}
+                              for sampler, groups in sampling]
         self.remote = cfg.rollout.transport == "directory"
         # With the directory transport the engine runs elsewhere; an engine for the held-out evaluation is
         # built here when one runs.
@@ -217,17 +225,18 @@ class RLTrainer:
 
     def _rollouts(self, start: int) -> RolloutProducer | LearnerExchange:
         """Where batches come from: the producer thread, or the engine process through the exchange directory
-        (it starts from this sampler and group state)."""
+        (the engines start from these sampler and group states)."""
         if self.remote:
             r = self.cfg.rollout
-            return LearnerExchange(r.exchange_dir, start_index=start, sampler_state=self.sampler.state_dict(),
-                                   group_counts=self.groups.state_dict(), timeout_s=r.engine_timeout_s,
+            return LearnerExchange(r.exchange_dir, start_index=start, engine_states=list(self.engine_states),
+                                   timeout_s=r.engine_timeout_s,
                                    settings=engine_settings(self.cfg), weight_transfer=r.weight_transfer)
         return RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, self.cfg,
                                start_index=start, workspace=self.tasks.workspace)
 
-    def _save(self, step: int, produced: ProducedBatch) -> None:
-        self.checkpoints.save(step, self.state, {"sampler": produced.sampler_state, "groups": produced.group_counts},
+    def _save(self, step: int) -> None:
+        states = self.engine_states
+        self.checkpoints.save(step, self.state, states[0] if len(states) == 1 else {"engines": states},
                               to_dict(self.cfg))
 
     def run(self) -> dict:
@@ -247,7 +256,7 @@ class RLTrainer:
         overlap, rewards, dropped_stale = Overlap(), [], 0
         summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce,
                    "warm_start_s": self.warm_s}
-        saved, last = self.resumed_from, None
+        saved, trained = self.resumed_from, False
         t_begin = time.perf_counter()
         progress.status("compiling the engine and the RL step" if not self.remote else
                         f"compiling the RL step; batches from `composer-jax rl-engine` via {cfg.rollout.exchange_dir}")
@@ -260,6 +269,9 @@ class RLTrainer:
                 stopping, stopped = (lambda: any_process(stop.requested is not None)), False  # noqa: E731
                 while step < cfg.rl.steps and not (stopped := stopping()):
                     produced = producer.next_batch()
+                    # Where its engine's sampler stands (a checkpoint resumes each engine from there).
+                    self.engine_states[produced.index % cfg.rollout.engines] = {
+                        "sampler": produced.sampler_state, "groups": produced.group_counts}
                     overlap.add("rollout", produced.busy)
                     stale = _staleness(produced, step)
                     if stale.size and stale.max() > cfg.rl.max_staleness:   # never trained on
@@ -302,12 +314,12 @@ class RLTrainer:
                     rewards.append(record.get("reward_mean", 0.0))
                     progress.update(1, record["loss"], record["learner_tokens_per_s"], None)
                     progress.status(f"reward {record.get('reward_mean', 0.0):.3f}")
-                    last = produced
+                    trained = True
                     if step % cfg.checkpoint.every == 0 or step == cfg.rl.steps:
-                        self._save(step, produced)
+                        self._save(step)
                         saved = step
-                if stopped and last is not None and saved != step:
-                    self._save(step, last)
+                if stopped and trained and saved != step:
+                    self._save(step)
                     saved = step
                 self.checkpoints.wait()
             wall = time.perf_counter() - t_begin

@@ -1,6 +1,6 @@
 """`composer-jax rl-engine`: the rollout engine as a process of its own (rollout.transport=directory).
 
-    serve(cfg)        # the same run config as the learner's `composer-jax rl`
+    serve(cfg, engine=0)        # the same run config as the learner's `composer-jax rl`
 
 It builds the inference engine on this process's devices (its own JAX runtime), waits for the
 learner's session in the exchange directory (`rl.exchange`), starts from the sampler and group state
@@ -11,6 +11,11 @@ batch back: the producer's own loop (`RolloutProducer.run_batches`), with the sa
 writes its stop marker; a new learner session (a restarted learner) is followed. A failure is written
 for the learner to report, then raised; a heartbeat file tells the learner the engine is alive (one
 killed without a word is noticed within `exchange.HEARTBEAT_GRACE_S`).
+
+Several engines (rollout.engines = n, `serve(cfg, engine=k)` for k = 0..n-1, one process each): engine
+k samples every n-th training task from the k-th on, with its own sampler and group state (the session
+and the learner's checkpoints hold one per engine), and writes batches k, k + n, ...; the learner
+reads them in order, so with rl.max_staleness >= n - 1 the engines sample concurrently.
 """
 
 from __future__ import annotations
@@ -20,15 +25,14 @@ import threading
 import jax
 from flax import nnx
 
-from composer_jax.config import MeshConfig
+from composer_jax.config import ConfigError, MeshConfig
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.exchange import (POLL_S, EngineExchange, ExchangeError, Heartbeat, check_same_settings,
                                       engine_settings)
-from composer_jax.rl.rollout import RolloutProducer, engine_agent, group_assembler
+from composer_jax.rl.rollout import RolloutProducer, engine_agent, engine_sampling
 from composer_jax.rl.run_config import RLRunConfig
-from composer_jax.rl.sampler import TaskSampler
 from composer_jax.rl.task_sets import TaskSets, task_sets
 
 
@@ -40,19 +44,19 @@ def _watch(exchange: EngineExchange, producer: RolloutProducer, done: threading.
             return
 
 
-def _serve_session(cfg: RLRunConfig, agent, tasks: TaskSets, exchange: EngineExchange) -> int:
-    """Batches for one learner session until it ends; returns how many were written."""
-    session = exchange.session
+def _serve_session(cfg: RLRunConfig, agent, tasks: TaskSets, exchange: EngineExchange, engine: int) -> int:
+    """Batches for one learner session until it ends; returns how many were written. Engine `engine` of n
+    writes the batches i >= the session's start with i % n == engine."""
+    session, n = exchange.session, cfg.rollout.engines
     check_same_settings(session["settings"], engine_settings(cfg))
-    first = exchange.wait_weights(session["start"] - cfg.rl.max_staleness)
+    start = session["start"] + (engine - session["start"]) % n
+    first = exchange.wait_weights(start - cfg.rl.max_staleness)
     if first is None:
         return 0
     agent.update_weights(*first)          # always: the same version number of another session is other weights
-    sampler = TaskSampler.from_state(session["sampler"], list(tasks.train), cfg.sampler)
-    groups = group_assembler(cfg, sampler)
-    groups.load_state(session["groups"])
+    sampler, groups = engine_sampling(cfg, tasks.train, engine, session["engines"][engine])
     producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler, groups, cfg,
-                               start_index=session["start"], workspace=tasks.workspace)
+                               start_index=start, workspace=tasks.workspace, stride=n)
     done = threading.Event()
     watcher = threading.Thread(target=_watch, args=(exchange, producer, done), name="session-watch", daemon=True)
     watcher.start()
@@ -61,22 +65,24 @@ def _serve_session(cfg: RLRunConfig, agent, tasks: TaskSets, exchange: EngineExc
     finally:
         done.set()
         watcher.join()
-    return producer.index - session["start"]
+    return (producer.index - start) // n
 
 
-def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print) -> dict:
-    """Serve the learner's sessions until one stops (see the module docstring). `tasks`: the task sets
-    (default: those cfg.env describes, built once the learner's session exists: a coding run's tasks are
-    made by the learner). Returns {"batches", "versions": the weight versions loaded, a list per
-    session, "sessions"}."""
+def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print, engine: int = 0) -> dict:
+    """Serve the learner's sessions as engine `engine` (of rollout.engines) until one stops (see the module
+    docstring). `tasks`: the task sets (default: those cfg.env describes, built once the learner's session
+    exists: a coding run's tasks are made by the learner). Returns {"batches", "versions": the weight
+    versions loaded, a list per session, "sessions"}."""
     root, timeout = cfg.rollout.exchange_dir, cfg.rollout.engine_timeout_s
     if cfg.rollout.transport != "directory":
         raise ExchangeError("composer-jax rl-engine serves a learner run with rollout.transport=directory")
-    with Heartbeat(root):       # from the start: the learner tells a slow engine from a dead one
-        return _serve(cfg, tasks, log, root, timeout)
+    if not 0 <= engine < cfg.rollout.engines:
+        raise ConfigError("rollout.engines", f"is {cfg.rollout.engines}: no engine {engine} (--engine counts from 0)")
+    with Heartbeat(root, engine=engine):    # from the start: the learner tells a slow engine from a dead one
+        return _serve(cfg, tasks, log, root, timeout, engine)
 
 
-def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float) -> dict:
+def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float, engine: int) -> dict:
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
     shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
     agent = engine_agent(cfg, ByteTokenizer(), model)
@@ -87,9 +93,10 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
         tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir, cfg.warm_start.tasks)
         while True:
             exchange = EngineExchange(root, session, agent.engine.state, timeout, cfg.rollout.weight_transfer)
-            log(f"rl-engine: session {session['session']} from batch {session['start']} on {len(jax.devices())} "
+            of = f"engine {engine} of {cfg.rollout.engines}: " if cfg.rollout.engines > 1 else ""
+            log(f"rl-engine: {of}session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")
-            summary["batches"] += _serve_session(cfg, agent, tasks, exchange)
+            summary["batches"] += _serve_session(cfg, agent, tasks, exchange, engine)
             summary["versions"].append(exchange.versions)
             summary["sessions"] += 1
             if (exchange.dir / "stop").exists():
@@ -97,7 +104,8 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
             session = EngineExchange.wait_session(root, timeout, after=session["session"])
     except BaseException as e:
         if exchange is not None and not isinstance(e, KeyboardInterrupt):
-            exchange.fail(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+            who = f"engine {engine}: " if cfg.rollout.engines > 1 else ""
+            exchange.fail(f"{who}{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         raise
     finally:
         agent.close()

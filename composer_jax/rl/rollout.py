@@ -69,6 +69,25 @@ def carries_feedback(sample: Sample) -> bool:
     return any(turn.hint for turn in sample.rollout.episode.turns)
 
 
+def engine_sampling(cfg: RLRunConfig, task_ids, engine: int = 0,
+                    state: dict | None = None) -> tuple[TaskSampler, GroupAssembler]:
+    """Rollout engine `engine`'s task sampler and group assembler, fresh or from `state` ({"sampler",
+    "groups"}: a checkpoint's). Of rollout.engines engines, each samples its own share of the training
+    tasks (every engines-th, from its index on) with its own random stream (sampler.seed + engine), so
+    no two engines draw the same prompt and each can resume on its own."""
+    n, ids = cfg.rollout.engines, list(task_ids)
+    share = ids[engine::n]
+    if not share:
+        raise ConfigError("rollout.engines", f"{n} engines for {len(ids)} training tasks: engine {engine} has none")
+    sampler_cfg = dataclasses.replace(cfg.sampler, seed=cfg.sampler.seed + engine)
+    sampler = (TaskSampler(share, sampler_cfg) if state is None
+               else TaskSampler.from_state(state["sampler"], share, sampler_cfg))
+    groups = group_assembler(cfg, sampler)
+    if state is not None:
+        groups.load_state(state["groups"])
+    return sampler, groups
+
+
 def group_assembler(cfg: RLRunConfig, sampler: TaskSampler) -> GroupAssembler:
     """The run's group assembler: groups with equal rewards are kept for their hinted turns when the
     step trains on them (self-distillation on, teacher slots in the batch)."""
@@ -197,12 +216,14 @@ class TimedEnv:
 class RolloutProducer:
     """See the module docstring. `agent`: an EngineAgent (or any agent with update_weights/version);
     `tasks`: id -> task; `make_env()`: a fresh environment per episode; `workspace`: where the
-    environment's commands see the repository (for the monitor)."""
+    environment's commands see the repository (for the monitor); `stride`: the step between this
+    producer's batch indices (one of several engines: rollout.engines)."""
 
     def __init__(self, agent, tasks: Mapping[str, object], make_env: Callable[[], object], sampler: TaskSampler,
-                 groups: GroupAssembler, cfg: RLRunConfig, *, start_index: int = 0, workspace: str = "/workspace"):
+                 groups: GroupAssembler, cfg: RLRunConfig, *, start_index: int = 0, workspace: str = "/workspace",
+                 stride: int = 1):
         self.agent, self.tasks, self.make_env, self.sampler, self.groups = agent, tasks, make_env, sampler, groups
-        self.cfg, self.workspace = cfg, workspace
+        self.cfg, self.workspace, self.stride = cfg, workspace, stride
         self.monitor = Monitor(cfg.monitor)
         self.index = start_index
         self._published: tuple[object, int] = (None, start_index)    # (weights, version)
@@ -277,7 +298,7 @@ class RolloutProducer:
             if produced is None:      # stopped mid-batch
                 return
             deliver(produced)
-            self.index += 1
+            self.index += self.stride
 
     def _episode(self, prompt: Prompt, sample: int, index: int, in_env: dict) -> Rollout:
         env = TimedEnv(self.make_env(), in_env, (prompt.draw, sample))

@@ -48,6 +48,9 @@ class RolloutConfig:
     # directory transport: weight versions as files in exchange_dir, or pulled device to device from the
     # learner's devices (jax.experimental.transfer; rl/weight_transfer.py)
     weight_transfer: Literal["file", "device"] = "file"
+    # directory transport: `composer-jax rl-engine --engine K` processes, K = 0..engines-1; engine K samples
+    # its own share of the training tasks and produces batches K, K + engines, ... (rl/remote_engine.py)
+    engines: int = 1
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
@@ -67,6 +70,11 @@ class RolloutConfig:
         if self.weight_transfer == "device" and self.transport != "directory":
             raise ConfigError("weight_transfer", "device needs transport=directory (with transport=thread the "
                                                  "engine's weights are copied device to device already)")
+        if self.engines < 1:
+            raise ConfigError("engines", f"must be >= 1, got {self.engines}")
+        if self.engines > 1 and (self.transport != "directory" or self.weight_transfer != "file"):
+            raise ConfigError("engines", f"{self.engines} engine processes need transport=directory and "
+                                         "weight_transfer=file (a device transfer serves one engine)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
 
