@@ -233,6 +233,17 @@ def test_coordinator_death_ends_the_others_at_once(tmp_path):
     assert time.monotonic() - started < peer_timeout - 100, "not at once"   # start-up included
 
 
+def test_checkpoint_barriers_in_a_thread_do_not_cross_the_steps_collectives(tmp_path):
+    """orbax's multi-process barriers in a background thread (an async save's commit) beside the main
+    thread's collectives (the training steps): both finish in each process. As JAX collectives (orbax's
+    default) the two threads' collectives cross in a different order on each process and the group hangs
+    (or gloo aborts on mismatched sizes); `initialize` routes the barriers through the coordination service."""
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "tests.checkpoint_barrier_race", str(i), str(port)])
+    for i, (status, err) in enumerate(_finish(procs, 300)):      # seconds when it works; a hang never ends
+        assert status == 0 and procs[i].stdout_text.strip().endswith("ok"), f"process {i}:\n{err[-3000:]}"
+
+
 def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
     """Process 1 starts, process 0 never does: after --init-timeout, one line and status 75 (JAX would
     abort later with a stack trace)."""

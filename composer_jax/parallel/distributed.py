@@ -262,7 +262,22 @@ def initialize(group: ProcessGroup, *, peer_timeout_s: float = 120.0, init_timeo
                                f"{group.coordinator} (from {group.source}): {first}") from None
     finally:
         late.cancel()
+    _orbax_barriers_through_the_coordinator()
     return PeerWatchdog(group, peer_timeout_s, label).start()
+
+
+def _orbax_barriers_through_the_coordinator() -> None:
+    """orbax's multi-process barriers (an async save's commit runs them in a background thread) are, by
+    default, JAX collectives: next to the training step's own collectives they interleave in a different
+    order on each process, and the group deadlocks or gloo aborts on mismatched sizes. Through the
+    coordination service (orbax's `experimental_orbax_use_distributed_barrier`) they are not collectives."""
+    from absl import flags
+
+    import orbax.checkpoint  # noqa: F401 - defines the flag
+
+    if not flags.FLAGS.is_parsed():     # absl refuses to read an unparsed flag; composer-jax parses none
+        flags.FLAGS.mark_as_parsed()
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def process_major_devices() -> list:
