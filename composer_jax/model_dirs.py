@@ -1,6 +1,7 @@
 """Open a model to sample from, whatever directory holds it: a Hugging Face directory (config.json +
 safetensors), a converted directory (`composer-jax convert` output: model_config.yaml + params) or a
-training run (RUN_DIR/checkpoints: its latest step), with its tokenizer and end-of-sequence ids.
+training run of `pretrain`, `sft` or `rl` (RUN_DIR/checkpoints: its latest step), with its tokenizer and
+end-of-sequence ids.
 
 Used by `composer-jax generate`, `composer-jax eval` (composer_jax.eval.engine_agent) and
 tools/bench_decode.py; sits above `checkpoint`, `train` and `data`.
@@ -49,7 +50,8 @@ def _open_run(run_dir: Path, overrides) -> OpenedModel:
             raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
         saved = checkpoints.config(step)
         config_lib.apply_overrides(ModelConfig, saved["model"], overrides)
-        cfg = config_lib.from_dict(RunConfig, saved)
+        # A pretraining / SFT run's config, or an RL run's (`composer-jax rl`: its model, byte-level episodes)
+        cfg = config_lib.from_dict(RunConfig, saved if "rl" not in saved else {"model": saved["model"]})
         graphdef, params, biases, rest = abstract_model_parts(cfg)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         on_device = lambda tree: jax.tree.map(  # noqa: E731

@@ -281,6 +281,7 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     writes the metrics; the checkpoint both saved restores in one process."""
     from flax import nnx
 
+    from composer_jax.model_dirs import open_model
     from composer_jax.rl.exchange import read_weights
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
@@ -323,9 +324,17 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
         assert restored.resumed_from == 3
         policy = nnx.state(restored._policy())
         session = json.loads((two / "exchange" / "session.json").read_text())["session"]
-        published, version = read_weights(two / "exchange" / session / "weights" / "00000003.npz", policy)
+        weights_file = two / "exchange" / session / "weights" / "00000003.npz"
+        published, version = read_weights(weights_file, policy)
         assert version == 3
         for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(policy)[0], jax.tree.leaves(published)):
             np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
     finally:
         restored.checkpoints.close()
+    # ... and `composer-jax eval` / `generate` open the run as a model (byte tokenizer) with those weights.
+    opened = open_model(two)
+    assert opened.description == f"training run {two}, step 3" and opened.tokenizer.vocab_size == 256
+    sampled = nnx.state(opened.model)
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(sampled)[0],
+                            jax.tree.leaves(read_weights(weights_file, sampled)[0])):
+        np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
