@@ -131,10 +131,10 @@ def find_group(environ: Mapping[str, str] = os.environ, *, coordinator: str | No
 
 
 def _client():
-    """JAX's coordination-service client (its key-value store; orbax's multi-host code uses it too)."""
-    from jax._src import distributed
+    """JAX's coordination-service client (its key-value store), through orbax's public accessor."""
+    from orbax.checkpoint import multihost
 
-    return distributed.global_state.client
+    return multihost.get_jax_distributed_client()
 
 
 def _exit_with(label: str, message: str) -> None:
@@ -308,13 +308,10 @@ def to_host(tree):
 
 
 def agree(text: str) -> str:
-    """Process 0's `text` (ASCII), on every process of the group (a collective)."""
+    """Process 0's `text` (ASCII, as long on every process), on every process of the group (a collective)."""
     if jax.process_count() == 1:
         return text
     from jax.experimental import multihost_utils
 
-    data = np.frombuffer(text.encode("ascii"), np.uint8)
-    length = int(multihost_utils.broadcast_one_to_all(np.asarray(len(data), np.int32)))
-    padded = np.zeros(length, np.uint8)
-    padded[:min(length, len(data))] = data[:length]
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)).decode("ascii")
+    data = multihost_utils.broadcast_one_to_all(np.frombuffer(text.encode("ascii"), np.uint8))
+    return bytes(np.asarray(data, np.uint8)).decode("ascii")

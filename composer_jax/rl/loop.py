@@ -266,8 +266,8 @@ class RLTrainer:
                 producer.publish(nnx.state(self._policy()), start)
             with StopSignals(progress.note) as stop, self.dual:
                 # In a group every process stops after the same step (a signal may reach only some).
-                stopping, stopped = (lambda: any_process(stop.requested is not None)), False  # noqa: E731
-                while step < cfg.rl.steps and not (stopped := stopping()):
+                stopped = False
+                while step < cfg.rl.steps and not (stopped := any_process(stop.requested is not None)):
                     produced = producer.next_batch()
                     # Where its engine's sampler stands (a checkpoint resumes each engine from there).
                     self.engine_states[produced.index % cfg.rollout.engines] = {
