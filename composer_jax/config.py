@@ -212,6 +212,36 @@ def check_fits_model(key: str, length: int, model: ModelConfig) -> None:
                                f"(model.rope.max_position_embeddings={limit})")
 
 
+# Model keys a run may set differently from the source it starts from (`train.init_from`, RL's
+# `init_from`): how the model runs, or what a phase changes on purpose (RoPE scaling extends the context;
+# MTP depths the source lacks are initialised fresh). Every other key is the source's architecture.
+RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "attention", "dtype", "param_dtype",
+                "mtp.num_layers", "mtp.loss_weight", "rope.")
+
+
+def flat_dict(data: dict, prefix: str = "") -> dict:
+    """{'a.b': value} of a nested dict."""
+    out = {}
+    for k, v in data.items():
+        if isinstance(v, dict):
+            out.update(flat_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_architecture(cfg: ModelConfig, source: ModelConfig, key_prefix: str = "model", where: str = "") -> None:
+    """ConfigError naming the first architecture key (not RUNTIME_KEYS) where `cfg` differs from `source`."""
+    have, want = flat_dict(dataclasses.asdict(cfg)), flat_dict(dataclasses.asdict(source))
+    for key, value in have.items():
+        if key.startswith(RUNTIME_KEYS) or value == want.get(key):
+            continue
+        raise ConfigError(f"{key_prefix}.{key}" if key_prefix else key,
+                          f"is {value!r}, but the source{' ' + where if where else ''} has {want.get(key)!r}: a run "
+                          f"keeps its source's architecture (it may change only {', '.join(RUNTIME_KEYS[:-1])} "
+                          "and rope.*)")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Loading
 
@@ -247,6 +277,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(key, f"expected {_type_name(tp)}, got {value!r}{hint}")
         return value
+    if tp is str and value is None:   # `key=` on the command line: empty
+        return ""
     if tp in (bool, str):
         if isinstance(value, tp):
             return value
@@ -361,6 +393,18 @@ def resolve_config_path(path_or_name: str | Path, kind: str = "model") -> Path:
         hint = f"; to override a key write {text}=VALUE"
     raise FileNotFoundError(f"config {text!r} is neither a file nor a bundled {kind} config "
                             f"(bundled: {', '.join(bundled_configs(kind))}){hint}")
+
+
+def shipped_path(value: str) -> str:
+    """A path from a config, absolute (`~` expanded, relative to the current directory), or one shipped with
+    the configs (configs/repos/textkit, configs/tokenizers/tiny-bpe) when only that exists; "" and
+    `byte` stay as they are."""
+    if not value or value == "byte":
+        return value
+    path = Path(value).expanduser()
+    if not path.is_absolute() and not path.exists() and (CONFIG_DIR / value).exists():
+        path = CONFIG_DIR / value
+    return str(path.absolute())
 
 
 def read_yaml(path: Path) -> dict:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 # (key, value) overrides of the tiny pretraining run: dense (replica=2 across the processes, fsdp=4 within
 # one) and expert (ep=8, across both) grids, the all-to-all expert dispatch.
-OVERRIDES = ["train.batch_size=8", "train.seq_len=32", "train.steps=10", "mesh.replica=2", "mesh.fsdp=4",
-             "mesh.cp=1", "model.moe.dispatch=ep_a2a", "model.moe.capacity_factor=0", "model.num_layers=2",
+OVERRIDES = ["model.vocab_size=256", "data.tokenizer=byte", "train.batch_size=8", "train.seq_len=32", "train.steps=10",
+             "mesh.replica=2", "mesh.fsdp=4", "mesh.cp=1", "model.moe.dispatch=ep_a2a", "model.moe.capacity_factor=0", "model.num_layers=2",
              "model.mtp.num_layers=0"]
 RL_ROWS, RL_SEQ, GROUP = 16, 32, 2
 

@@ -37,13 +37,13 @@ def random_model(cfg, seed: int = 0, mesh=None) -> CausalLM:
 
 
 def save_random_run(run: Path, overrides=(), *, seed: int = 4, step: int = 3) -> Path:
-    """A training run directory `run` of pretrain-tiny (with `overrides`) holding one checkpoint, at
-    `step`, of a pretraining state with random weights (one device)."""
+    """A training run directory `run` of pretrain-tiny made byte-level (a 256-id vocabulary; with
+    `overrides`) holding one checkpoint, at `step`, of a pretraining state with random weights (one device)."""
     from composer_jax.train.checkpoints import RunCheckpoints
     from composer_jax.train.config import load_run_config, to_dict
     from composer_jax.train.state import StateLayout, split_model
 
-    cfg = load_run_config("pretrain-tiny", [f"run_dir={run}", *overrides])
+    cfg = load_run_config("pretrain-tiny", [f"run_dir={run}", "model.vocab_size=256", "data.tokenizer=byte", *overrides])
     layout = StateLayout(cfg, DualMesh(MeshConfig(), jax.devices()[:1], model=cfg.model))
     _, params, biases, _ = split_model(random_model(cfg.model, seed))
     checkpoints = RunCheckpoints(run / "checkpoints", cfg.checkpoint)

@@ -1,5 +1,5 @@
 """`composer-jax rl` (the command line, process-group flags included) on the parity tasks of
-tests/rl_parity.py, which are also the warm start's demonstrations (tests/test_distributed.py):
+tests/rl_parity.py (tests/test_distributed.py):
 
     python -m tests.rl_learner_process key=value ... --coordinator HOST:PORT --num-processes N --process-id I
 """
@@ -11,5 +11,5 @@ from composer_jax.rl import loop
 from tests.rl_parity import parity_tasks
 
 if __name__ == "__main__":
-    loop.task_sets = lambda *args, **kwargs: parity_tasks(demos=True)
+    loop.task_sets = lambda *args, **kwargs: parity_tasks()
     sys.exit(cli.main(["rl", *sys.argv[1:]]))

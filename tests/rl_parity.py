@@ -1,6 +1,6 @@
 """A test environment for the RL loop tests (in process, and run by the rollout engine process of
 tests/test_rl_remote.py): a random byte-level model earns its reward about 1 time in 4, so groups carry
-signal without a warm start; turns it does not reward are flagged (targeted feedback trains on them)."""
+signal from the start; turns it does not reward are flagged (targeted feedback trains on them)."""
 
 import dataclasses
 import time
@@ -24,10 +24,6 @@ class ParityEnv:
     def hint_context(self):
         return HintContext((), "")
 
-    def demonstration(self, task) -> str:
-        """A rewarded answer (the warm start's target)."""
-        return "0"
-
     def reset(self, task):
         self.task = task
         return [{"role": "user", "content": task.prompt}]
@@ -45,12 +41,11 @@ class ParityEnv:
                           "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
 
 
-def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0, demos: bool = False) -> TaskSets:
-    """Six tasks (`crash_and_hang`: the first three crash, hang and cheat); `demos`: the tasks are the warm
-    start's demonstrations too."""
+def parity_tasks(crash_and_hang: bool = False, hang_s: float = 0.0) -> TaskSets:
+    """Six tasks (`crash_and_hang`: the first three crash, hang and cheat)."""
     tasks = toy_tasks("copy", 6, seed=5, length=2)
     if crash_and_hang:
         tasks[0] = dataclasses.replace(tasks[0], id="crash-0")
         tasks[1] = dataclasses.replace(tasks[1], id="hang-1")
         tasks[2] = dataclasses.replace(tasks[2], id="cheat-2")
-    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace", tasks if demos else [])
+    return TaskSets({t.id: t for t in tasks}, [], lambda: ParityEnv(hang_s), "/workspace")

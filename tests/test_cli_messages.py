@@ -4,6 +4,7 @@ relative paths accepted, failed starts leaving nothing behind, `--version`, subc
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,10 @@ def _one_line(err: str) -> str:
      "(command-line override train.steps=abc)"),
     (["pretrain", "no-such-config"],
      "composer-jax pretrain: error: config 'no-such-config' is neither a file nor a bundled run config "
-     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny)"),
+     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny, sft-toy-tiny)"),
     (["pretrain", "train.steps"],
      "composer-jax pretrain: error: config 'train.steps' is neither a file nor a bundled run config "
-     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny); to override a key write train.steps=VALUE"),
+     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny, sft-toy-tiny); to override a key write train.steps=VALUE"),
     (["convert", "/nonexistent", "/tmp/never-written"],
      "composer-jax convert: error: /nonexistent does not exist (expected a Hugging Face model directory)"),
     (["export", "/nonexistent", "/tmp/never-written"], "composer-jax export: error: /nonexistent does not exist"),
@@ -45,13 +46,13 @@ def test_messages_are_one_line_and_name_the_real_culprit(argv, line, capsys):
     assert _one_line(capsys.readouterr().err) == line
 
 
-def test_export_of_a_run_directory_points_at_its_checkpoints(tmp_path, capsys):
-    for step in (50, 100):
+def test_export_of_a_run_directory_without_a_complete_checkpoint_is_one_line(tmp_path, capsys):
+    for step in (50, 100):     # directories, but no checkpoint orbax committed
         (tmp_path / "run" / "checkpoints" / str(step)).mkdir(parents=True)
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert _one_line(capsys.readouterr().err) == (
-        f"composer-jax export: error: {tmp_path / 'run'} is a training run directory: export one of its "
-        f"checkpoints, e.g. {tmp_path / 'run' / 'checkpoints' / '100'} (steps: 50, 100)")
+        f"composer-jax export: error: {tmp_path / 'run'}: no complete checkpoint in {tmp_path / 'run' / 'checkpoints'}: "
+        "train that run first")
     assert not (tmp_path / "out").exists()
 
 
@@ -76,24 +77,33 @@ def test_a_failed_start_prints_one_line_and_leaves_nothing_behind(tmp_path):
                             env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
     assert result.returncode == 2
     assert _one_line(result.stderr) == (
-        f"composer-jax sft: error: config key 'train.init_from': no complete checkpoint in "
-        f"{tmp_path / 'runs' / 'long-context-tiny' / 'checkpoints'}: train that run first, or point "
-        "train.init_from at a run directory")
+        f"composer-jax sft: error: config key 'train.init_from': {tmp_path / 'runs' / 'long-context-tiny'} does not "
+        "exist (command-line override train.init_from=runs/long-context-tiny)")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_bundled_run_paths_do_not_depend_on_the_current_directory(tmp_path, monkeypatch):
+    """The bundled recipe's run directories live under ~/.cache/composer-jax/runs whatever the current
+    directory; each phase's config reads the architecture of the run before it (random runs stand in)."""
+    from tests.random_models import save_random_run
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    runs = tmp_path / "home" / ".cache" / "composer-jax" / "runs"
+    bpe = ["model.vocab_size=4096", "data.tokenizer=tokenizers/tiny-bpe"]
+    save_random_run(runs / "pretrain-tiny", bpe)
+    save_random_run(runs / "long-context-tiny", [*bpe, "model.rope.factor=32", "model.rope.max_position_embeddings=512"])
     here = load_run_config("sft-tiny")
     monkeypatch.chdir(tmp_path)
     there = load_run_config("sft-tiny")
-    runs = Path.home() / ".cache" / "composer-jax" / "runs"
     assert (there.run_dir, there.train.init_from) == (here.run_dir, here.train.init_from) == \
         (str(runs / "sft-tiny"), str(runs / "long-context-tiny"))
+    assert there.model.vocab_size == 4096 and there.model.rope.max_position_embeddings == 2048
     assert load_run_config("long-context-tiny").train.init_from == str(runs / "pretrain-tiny") == \
         load_run_config("pretrain-tiny").run_dir
     # Paths given on the command line are relative to the current directory, made absolute at once.
-    cfg = load_run_config("pretrain-tiny", ["run_dir=runs/mine", "train.init_from=../other"])
-    assert (cfg.run_dir, cfg.train.init_from) == (str(tmp_path / "runs" / "mine"), str(tmp_path / ".." / "other"))
+    shutil.copytree(runs / "pretrain-tiny", tmp_path / "runs" / "other")
+    cfg = load_run_config("pretrain-tiny", ["run_dir=runs/mine", "train.init_from=runs/other"])
+    assert (cfg.run_dir, cfg.train.init_from) == (str(tmp_path / "runs" / "mine"), str(tmp_path / "runs" / "other"))
 
 
 def test_config_show_prints_a_loadable_resolved_config(tmp_path, capsys):
@@ -128,8 +138,8 @@ def test_info_accepts_a_run_config(capsys):
     """`info pretrain-tiny` counts the run's model (its YaRN factor, dispatch...) at its train.seq_len."""
     assert cli.main(["info", "pretrain-tiny", "--json"]) == 0
     run = json.loads(capsys.readouterr().out)
-    assert cli.main(["info", "tiny", "rope.factor=8", "rope.max_position_embeddings=128", "moe.dispatch=dense",
-                     "--seq-len", "128", "--json"]) == 0
+    assert cli.main(["info", "tiny", "vocab_size=4096", "rope.factor=8", "rope.max_position_embeddings=128",
+                     "moe.dispatch=dense", "--seq-len", "128", "--json"]) == 0
     model = json.loads(capsys.readouterr().out)
     assert run["flops"]["seq_len"] == 128
     for key in ("total", "active", "flops"):

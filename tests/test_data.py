@@ -240,7 +240,7 @@ def test_chat_loss_mask_covers_assistant_tokens_only():
     text = BYTE.decode(tokens)
     assert text == "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONVERSATION)
     trained = BYTE.decode(tokens[mask == 1])
-    assert trained == "5<|im_end|>\n8<|im_end|>\n"
+    assert trained == "5<|im_end|>8<|im_end|>"     # the turns and their end markers, not the template around
     with pytest.raises(chat.ConversationError, match="no assistant message"):
         chat.tokenize_conversation(CONVERSATION[:2], BYTE.encode)
 

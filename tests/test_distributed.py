@@ -144,7 +144,8 @@ def test_two_processes_match_one_and_share_checkpoints(tmp_path):
 
 
 def _pretrain_argv(tmp_path: Path, port: int, peer_timeout: float, extra=()):
-    overrides = ["train.steps=100000", "train.batch_size=8", "train.seq_len=32", "train.log_every=1",
+    overrides = ["model.vocab_size=256", "data.tokenizer=byte", "train.steps=100000", "train.batch_size=8",
+                 "train.seq_len=32", "train.log_every=1",
                  "train.progress=false", "data.eval_fraction=0", "checkpoint.every=100000", "mesh.replica=2",
                  "mesh.fsdp=4", "train.cpu_devices=4", "model.num_layers=2", "model.mtp.num_layers=0",
                  f"data.path={write_code_tree(tmp_path / 'code')}", f"run_dir={tmp_path / 'run'}", *extra]
@@ -255,15 +256,15 @@ def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
 
 
 RL_OVERRIDES = [*TINY, "rollout.transport=directory", "rl.max_staleness=0", "rl.steps=3", "rl.kl_coef=0.05",
-                "warm_start.steps=2", "warm_start.batch_size=8", "eval.every=0", "checkpoint.every=3",
-                "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12", "rl.max_tokens=12"]
+                "eval.every=0", "checkpoint.every=3", "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12",
+                "rl.max_tokens=12"]
 
 
-def _rl_engine(run_dir: Path) -> subprocess.Popen:
+def _rl_engine(run_dir: Path, overrides) -> subprocess.Popen:
     """The rollout engine (tests/rl_engine_process.py: parity tasks) for the learner run in `run_dir`, on 2
     devices of its own."""
     env = {**_env(), "XLA_FLAGS": f"{_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()}
-    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *RL_OVERRIDES, f"run_dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides, f"run_dir={run_dir}"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -273,31 +274,36 @@ def _rl_records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_rl_learner_of_two_processes_matches_one(tmp_path):
-    """`composer-jax rl` as 2 processes x 4 devices (warm start, reference policy, RL steps on the dual grid,
-    weights gathered to the exchange directory) with the rollout engine process beside it (the parity
-    tasks of tests/rl_parity.py: rewards and flagged turns from a near-random policy) trains as one
-    learner process with 8 devices does: the same batches (staleness 0: the engine samples each batch
-    with the weights of the step before), the same losses step for step; process 0 alone reports and
-    writes the metrics; the checkpoint both saved restores in one process."""
+    """`composer-jax rl` as 2 processes x 4 devices (init_from a run, streamed by each process into its shards;
+    the reference policy; RL steps on the dual grid, weights gathered to the exchange directory) with the
+    rollout engine process beside it (the parity tasks of tests/rl_parity.py: rewards and flagged turns
+    from a near-random policy) trains as one learner process with 8 devices does: the same batches
+    (staleness 0: the engine samples each batch with the weights of the step before), the same losses step
+    for step; process 0 alone reports and writes the metrics; the checkpoint both saved restores in one
+    process."""
     from flax import nnx
 
-    from composer_jax.model_dirs import open_model
+    from composer_jax.source_weights import open_model
     from composer_jax.rl.exchange import read_weights
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
 
+    from tests.random_models import save_random_run
+    from tests.test_rl_loop import BYTE_TINY
+
+    overrides = [*RL_OVERRIDES, f"init_from={save_random_run(tmp_path / 'source', BYTE_TINY)}"]
     one = tmp_path / "one"
-    engine = _rl_engine(one)
+    engine = _rl_engine(one, overrides)
     try:
-        RLTrainer(load_rl_config("rl-tiny", [*RL_OVERRIDES, f"run_dir={one}"]), parity_tasks(demos=True)).run()
+        RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={one}"]), parity_tasks()).run()
         (status, err), = _finish([engine], LAUNCH_TIMEOUT_S)
         assert status == 0, err[-3000:]
     finally:
         engine.kill()
 
     two, port = tmp_path / "two", _free_port()
-    engine = _rl_engine(two)
-    learners = _launch(lambda i: [sys.executable, "-m", "tests.rl_learner_process", *RL_OVERRIDES, f"run_dir={two}",
+    engine = _rl_engine(two, overrides)
+    learners = _launch(lambda i: [sys.executable, "-m", "tests.rl_learner_process", *overrides, f"run_dir={two}",
                                   "cpu_devices=4", "--coordinator", f"localhost:{port}", "--num-processes", "2",
                                   "--process-id", str(i)])
     results = _finish([*learners, engine], LAUNCH_TIMEOUT_S)
@@ -319,7 +325,7 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
     # The checkpoint the 2 processes saved restores in this one process (8 devices): the very weights they
     # gathered and published for the engine after the last step.
-    restored = RLTrainer(load_rl_config("rl-tiny", [*RL_OVERRIDES, f"run_dir={two}"]), parity_tasks(demos=True))
+    restored = RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={two}"]), parity_tasks())
     try:
         assert restored.resumed_from == 3
         policy = nnx.state(restored._policy())

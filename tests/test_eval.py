@@ -374,8 +374,8 @@ def test_bad_task_sets_models_and_runs_are_one_line_errors(tmp_path, capsys):
     tasks = _task_dirs(tmp_path)
     (tmp_path / "hf_model").mkdir()
     assert error("eval", str(tmp_path / "hf_model"), str(tasks)) == (
-        f"MODEL '{tmp_path / 'hf_model'}': does not load: {tmp_path / 'hf_model'} is neither a training run "
-        "(checkpoints/), a converted directory (model_config.yaml) nor a Hugging Face directory (config.json)")
+        f"MODEL '{tmp_path / 'hf_model'}': does not load: {tmp_path / 'hf_model'} is not a model: it has no config.json "
+        "(a Hugging Face directory), model_config.yaml (a converted directory) or checkpoints/ (a run directory)")
     assert error("eval", model, str(tasks), "max_slots=2") == (
         f"MODEL '{model}': a scripted agent takes no settings, got max_slots=2")
     assert error("eval", "scripted:/nonexistent.json", str(tasks)) == (

@@ -22,7 +22,7 @@ from composer_jax.eval import EvalConfig, EvalError, TurnRequest, evaluate
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig, tool_format, turn_stops
 from composer_jax.eval.store import FIELDS
 from composer_jax.infer import GenerationError, generate, programs
-from composer_jax.model_dirs import open_model
+from composer_jax.source_weights import open_model
 from composer_jax.tasks.examples import write_example_task
 from tests.random_models import random_model, save_random_run
 from tests.test_tasks import no_leftover_copies  # noqa: F401  (fixture)
@@ -286,15 +286,15 @@ def _special_tokenizer(path: Path, specials) -> Path:
 
 
 def test_format_and_stops_follow_the_tokenizer(opened, tmp_path):
-    kimi = KimiFormat()
-    markers = [kimi.SECTION_BEGIN, kimi.CALL_BEGIN, kimi.ARG_BEGIN, kimi.CALL_END, kimi.SECTION_END, END]
-    with_markers = load_tokenizer(str(_special_tokenizer(tmp_path / "kimi.json", markers)))
+    with_markers = load_tokenizer(str(_special_tokenizer(tmp_path / "kimi.json", KimiFormat.markers)))
     end_id = with_markers.encode(END).tolist()
     assert len(end_id) == 1 and end_id[0] >= 256
     assert tool_format(with_markers).name == "kimi"
     assert turn_stops(with_markers, tool_format(with_markers), (3,)) == ((3, end_id[0]), ())
     only_end = load_tokenizer(str(_special_tokenizer(tmp_path / "end.json", [END])))
-    assert tool_format(only_end).name == "plain" and tool_format(only_end, "kimi").name == "kimi"
+    assert tool_format(only_end).name == "plain"
+    with pytest.raises(EvalError, match="chat format 'kimi' needs <.tool_calls_section_begin.>"):
+        tool_format(only_end, "kimi")     # a format the tokenizer cannot express: one line, naming a marker
     assert turn_stops(only_end, PlainFormat()) == ((only_end.encode(END)[0],), ())
     assert tool_format(ByteTokenizer()).name == "plain"
     assert turn_stops(ByteTokenizer(), PlainFormat(), (7,)) == ((7,), (END,))
@@ -321,10 +321,10 @@ def test_bad_models_and_settings_are_one_line_errors(run_dir, tmp_path, capsys):
         return _one_line(capsys.readouterr().err)
 
     missing = tmp_path / "missing"
-    assert error(missing) == f"MODEL '{missing}': does not load: model directory {missing} does not exist"
+    assert error(missing) == f"MODEL '{missing}': does not load: {missing} does not exist"
     assert error(tmp_path / "empty") == (
-        f"MODEL '{tmp_path / 'empty'}': does not load: {tmp_path / 'empty'} is neither a training run "
-        "(checkpoints/), a converted directory (model_config.yaml) nor a Hugging Face directory (config.json)")
+        f"MODEL '{tmp_path / 'empty'}': does not load: {tmp_path / 'empty'} is not a model: it has no config.json "
+        "(a Hugging Face directory), model_config.yaml (a converted directory) or checkpoints/ (a run directory)")
     assert error(tmp_path / "broken").startswith(
         f"MODEL '{tmp_path / 'broken'}': does not load: {tmp_path / 'broken' / 'config.json'}: not valid JSON")
     assert error(run_dir, "max_slot=4") == (

@@ -6,7 +6,7 @@ import pytest
 from composer_jax import cli
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.infer import generate
-from composer_jax.model_dirs import open_model
+from composer_jax.source_weights import open_model
 from tests.random_models import save_random_run
 
 PROMPT = "def add(a, b):\n    "
@@ -35,4 +35,5 @@ def test_run_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir()
     assert cli.main(["generate", str(tmp_path), "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"composer-jax generate: error: {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}"
+    assert err == (f"composer-jax generate: error: {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}: "
+                   "train that run first")

@@ -87,8 +87,8 @@ def test_state_bytes_match_the_training_layout_per_device():
 # per-layer remat with gradient accumulation (dense reference attention); the bounded expert all-to-all
 # under context parallelism with blockwise attention and the 'dots' remat policy; the one-hot dense
 # dispatch with an MTP depth (its distillation loss) and a wider model.
-BASE = ["model.mtp.num_layers=0", "model.num_layers=3", "model.moe.dispatch=ragged", "train.batch_size=8",
-        "model.rope.factor=32", "model.rope.max_position_embeddings=512"]
+BASE = ["model.vocab_size=256", "model.mtp.num_layers=0", "model.num_layers=3", "model.moe.dispatch=ragged",
+        "train.batch_size=8", "model.rope.factor=32", "model.rope.max_position_embeddings=512"]
 COMPILED = {
     "ragged_accum_remat": ["train.seq_len=256", "train.batch_size=16", "train.grad_accum=2", "train.remat=full"],
     "a2a_cp2": ["train.seq_len=256", "model.moe.dispatch=ep_a2a", "mesh.cp=2", "train.batch_size=4",

@@ -4,7 +4,7 @@ environments that crash or hang lose rollouts, the run counts them and goes on; 
 continues the policy version and never trains a consumed prompt twice; bad inputs are one-line errors.
 
 The tiny model with random weights and a test environment whose reward has a ~1/4 chance (the parity
-of the answer's first character), so groups carry signal without a warm start; turns it does not
+of the answer's first character), so groups carry signal from a random policy; turns it does not
 reward are flagged (targeted feedback trains on them)."""
 
 import json
@@ -35,11 +35,16 @@ from composer_jax.train.metrics import read_metrics
 from tests.rl_parity import parity_tasks
 
 REPO = Path(__file__).resolve().parents[1]
-# Small shapes: 8 rows (2 prompts x 4 samples) of 80 tokens, 6-token answers, one teacher slot of 128.
-TINY = ["model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense",
-        "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8", "rollout.max_new_tokens=6",
-        "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128", "warm_start.steps=0",
+# A fresh tiny model (no init_from), byte-level. Small shapes: 8 rows (2 prompts x 4 samples) of 80 tokens,
+# 6-token answers, one teacher slot of 128.
+MODEL = ["model=tiny", "model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense"]
+TINY = ["init_from=", *MODEL, "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8",
+        "rollout.max_new_tokens=6", "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128",
         "progress=false", "checkpoint.async_save=false"]
+
+
+# pretrain-tiny's run of the same model (tests.random_models.save_random_run): a source for init_from.
+BYTE_TINY = MODEL
 
 
 def _config(run_dir, *overrides):
@@ -153,53 +158,20 @@ def test_sigkill_then_restart_continues(tmp_path):
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.batch_size=10", "rl.group_size=4"], "rollout.batch_size"),
     (["rewards.style_weight=1"], "rewards.style_weight"),
-    (["warm_start.batch_size=4"], "warm_start.batch_size"),
-    (["env.kind=coding", "env.tasks_dir={empty}", "warm_start.steps=0"], "env.tasks_dir"),
+    (["env.kind=coding", "env.tasks_dir={empty}"], "env.tasks_dir"),
     (["env.kind=coding", "env.tasks_dir={empty}", "env.tools=[run]"], "env.tools"),
-    (["rollout.max_new_tokens=4"], "rollout.max_new_tokens"),    # a demonstration longer than one turn
-    (["warm_start.hint_share=1"], "warm_start.hint_share"),
+    (["init_from={empty}"], "init_from"),                          # a source that is not a model
+    (["model.vocab_size=128"], "tokenizer"),                        # bytes do not fit the vocabulary
+    (["env.format=kimi"], "env.format"),                            # a format the tokenizer cannot express
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, key):
     empty = tmp_path / "tasks"
     empty.mkdir()
-    status = cli.main(["rl", f"run_dir={tmp_path / 'run'}", *[o.format(empty=empty) for o in overrides]])
+    base = [] if any(o.startswith("init_from=") and o != "init_from=" for o in overrides) else ["init_from=", *MODEL]
+    status = cli.main(["rl", f"run_dir={tmp_path / 'run'}", *base, *[o.format(empty=empty) for o in overrides]])
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1 and key in err, err
     assert not (tmp_path / "run").exists()
-
-
-def test_hinted_demonstrations_show_what_the_teacher_sees():
-    """warm_start.hint_share=0.5 on 4 toy tool-use tasks: 4 plain rows, then 4 hinted ones (both mistakes
-    made in turn). A hinted row is the teacher's context of an RL batch for that flagged turn (the
-    trajectory up to the turn, then the slot's hint tokens from `rollout_fields`), followed by the same
-    solving call as the plain row, which alone is trained on."""
-    from composer_jax.data.tokenizer import ByteTokenizer
-    from composer_jax.envs import TokenEpisode, ToyEnv, rollout_fields
-    from composer_jax.rl.warm_start import demonstrations
-
-    tokenizer, env = ByteTokenizer(), ToyEnv(get_format("plain"), use_tool=True)
-    tasks = toy_tasks("add", 4, seed=5)
-    demos = demonstrations(env, tokenizer, tasks, 512, 96, hint_share=0.5)
-    assert len(demos["tokens"]) == 8
-
-    def row(i):
-        n = int(demos["segment_ids"][i].sum())
-        return demos["tokens"][i, :n], demos["loss_mask"][i, :n].astype(bool)
-
-    kinds = set()
-    for i, task in enumerate(tasks):
-        (plain, plain_mask), (hinted, hinted_mask) = row(i), row(4 + i)
-        answer = plain[plain_mask]
-        assert np.array_equal(hinted[hinted_mask], answer) and hinted_mask[-len(answer):].all()
-        mistake = "" if i % 2 == 0 else env.demonstration(task)[:len(env.demonstration(task)) // 2]
-        episode = TokenEpisode(env, tokenizer)
-        prompt = episode.start(task)
-        episode.step(np.asarray(tokenizer.encode(mistake + env.fmt.end_of_turn), np.int32))
-        fields = rollout_fields([episode], [0], seq_len=512, slots=1, window=256)
-        hint = fields["teacher_tokens"][0, 0][:int(np.argmax(fields["teacher_map"][0, 0] >= 0))]  # before the turn
-        assert len(hint) and np.array_equal(hinted[:-len(answer)], np.concatenate([prompt, hint]))
-        kinds.add(episode.turns[0].flags[0].kind)
-    assert kinds == {"no_action", "malformed_call"}
 
 
 def test_overlap_counts_each_pair_of_intervals_once():
@@ -281,15 +253,22 @@ def test_rollout_metrics_count_calls_carried_out_and_failed():
     assert metrics["pass_rate"] == pytest.approx(1 / 3)
 
 
-def test_a_resumed_run_rebuilds_the_fixed_teacher(tmp_path):
-    """rl.sd_teacher=initial: a resumed run re-runs the warm start, so its fixed self-distillation teacher
-    is the one the run began with, bit for bit, while the policy comes from the checkpoint."""
-    cfg = _config(tmp_path / "run", "rl.sd_teacher=initial", "rl.teacher_context=full", "warm_start.steps=2",
-                  "warm_start.batch_size=8", "rollout.max_new_tokens=12", "rl.max_tokens=12",
+def test_a_resumed_run_rebuilds_the_fixed_teacher_from_its_source(tmp_path):
+    """rl.sd_teacher=initial and init_from a run: the fixed self-distillation teacher is the source's policy
+    (its weights, bit for bit), and a resumed run loads it again, while its policy comes from the checkpoint."""
+    from composer_jax.source_weights import open_model
+    from tests.random_models import save_random_run
+
+    source = save_random_run(tmp_path / "source", BYTE_TINY)
+    cfg = _config(tmp_path / "run", f"init_from={source}", "rl.sd_teacher=initial", "rl.teacher_context=full",
+                  "rollout.max_new_tokens=12", "rl.max_tokens=12",
                   "rollout.transport=directory")    # no in-process engine to build: none runs here
     first = RLTrainer(cfg)
     try:
         teacher = [np.asarray(x) for x in jax.tree.leaves(first.rl_step.teacher_params)]
+        source_params = nnx.state(open_model(source).model, nnx.Param)
+        for want, got in zip(jax.tree.leaves(source_params), teacher):
+            assert np.array_equal(np.asarray(want), got)
         moved = first.state._replace(step=first.state.step + 1, params=jax.tree.map(lambda x: x * 0.5, first.state.params))
         policy = [np.asarray(x) for x in jax.tree.leaves(moved.params)]
         first.checkpoints.save(1, moved, {"sampler": first.sampler.state_dict(), "groups": first.groups.state_dict()},

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
+from composer_jax.config import ConfigError
 from composer_jax.data.config import DataConfig
-from composer_jax.data.errors import DataError
 from composer_jax.data.pipeline import build_dataset
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.train.config import load_run_config
@@ -22,7 +22,7 @@ from composer_jax.train.loop import Trainer
 # The module shares one training run (compiling init, step and eval: ~60 s on 2 cores), so it is slow.
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.log_every=2",
+OVERRIDES = ["model.vocab_size=256", "data.tokenizer=byte", "train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.grad_accum=2", "train.log_every=2",
              "train.eval_every=3", "train.eval_batches=1", "train.progress=false", "data.eval_fraction=0.3",
              "checkpoint.every=2", "mesh.fsdp=4", "mesh.cp=2"]
 
@@ -162,7 +162,8 @@ def test_tokenizer_larger_than_the_model_vocab_is_an_error(run, tmp_path):
                             for i in range(300)))
     cfg = load_run_config("pretrain-tiny", OVERRIDES + [f"data.tokenizer={path}", f"data.path={trainer.cfg.data.path}",
                                                         f"run_dir={tmp_path / 'r'}"])
-    with pytest.raises(DataError, match=rf"tokenizer {path} has 301 ids, more than the model's vocab_size=256"):
+    with pytest.raises(ConfigError, match=rf"config key 'data.tokenizer': tokenizer {path} has 301 ids, more than the "
+                                          "model's vocab_size=256"):
         Trainer(cfg)
 
 

@@ -71,7 +71,8 @@ def test_sigterm_and_sigkill_then_restart_match_an_uninterrupted_run(tmp_path):
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # launches after the first reuse its compilations
 
     def args(run_dir, *extra):
-        return ["pretrain", "pretrain-tiny", f"data.path={tree}", f"run_dir={run_dir}", f"train.steps={STEPS}",
+        return ["pretrain", "pretrain-tiny", "model.vocab_size=256", "data.tokenizer=byte", f"data.path={tree}",
+                f"run_dir={run_dir}", f"train.steps={STEPS}",
                 "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.progress=false",
                 "data.eval_fraction=0", f"checkpoint.every={EVERY}", *extra]
 

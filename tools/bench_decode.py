@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     use_cpu_devices(1)
     from composer_jax import load_config
     from composer_jax.infer import SamplingParams
-    from composer_jax.model_dirs import open_model
+    from composer_jax.source_weights import open_model
 
     opened = open_model(run_dir, [f"moe.dispatch={args.dispatch}"] if args.dispatch else [])
     model, cfg = opened.model, opened.model.cfg

@@ -116,7 +116,7 @@ def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, reps:
 
     checkpoints = run_dir / "checkpoints" if run_dir is not None else None
     if checkpoints is not None and checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
-        from composer_jax.model_dirs import open_model
+        from composer_jax.source_weights import open_model
 
         opened = open_model(run_dir, [])
         model, description = opened.model, opened.description

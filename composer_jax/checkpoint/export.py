@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -53,12 +54,8 @@ def _find_params(src: Path) -> Path:
     for candidate in (src / orbax_io.PARAMS_DIR, src / TRAIN_ITEMS[0], src):
         if (candidate / "_METADATA").is_file():
             return candidate
-    steps = sorted(int(p.name) for p in (src / "checkpoints").glob("*") if p.name.isdigit())
-    if steps:  # a training run directory: its checkpoints are RUN/checkpoints/STEP
-        raise CheckpointError(f"{src} is a training run directory: export one of its checkpoints, e.g. "
-                              f"{src / 'checkpoints' / str(steps[-1])} (steps: {', '.join(map(str, steps))})")
     raise CheckpointError(f"{src}: neither {src / orbax_io.PARAMS_DIR}, {src / TRAIN_ITEMS[0]} nor {src} is an "
-                          "orbax checkpoint (no _METADATA)")
+                          "orbax checkpoint (no _METADATA), nor is it a run directory with a checkpoint")
 
 
 def _find_config(src: Path) -> ModelConfig:
@@ -90,9 +87,11 @@ def _write_rows(store, leaf, t, index, start, stop, out_dtype, targets) -> None:
 
 def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, dtype: str | None = None,
            max_shard_bytes: int = 5 << 30, workers: int | None = None, chunk_bytes: int = 64 << 20,
-           overwrite: bool = False, restart: bool = False, progress: bool = False, mtp: bool = True) -> dict:
+           overwrite: bool = False, restart: bool = False, progress: bool = False, mtp: bool = True,
+           beside: Callable[[Path], int | None] | None = None) -> dict:
     """Export converted model directory `src` (or a training checkpoint step `<run>/checkpoints/<step>`,
-    or a bare orbax params checkpoint with `cfg`) to `dst`.
+    or a bare orbax params checkpoint with `cfg`) to `dst`. `beside(directory)` writes more files into the
+    output before it is committed and returns the EOS id for config.json, if it knows one.
 
     cfg: the ModelConfig (default: `src/model_config.yaml`, or the step's run config). dtype: 'float32' / 'bfloat16' / 'float16'
     for every weight (default: each parameter's own dtype; the router correction bias stays float32).
@@ -176,6 +175,9 @@ def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, 
             for f in hf_files.iterdir():
                 if f.name != "config.json":
                     shutil.copyfile(f, stage.tmp / f.name)
+        if beside is not None:      # e.g. the tokenizer and its chat template (model_dirs.export_model)
+            eos = beside(stage.tmp)
+            base = base if base is not None or eos is None else {"eos_token_id": eos}
         weights_dtype = dtype or str(np.dtype(stores[("lm_head",)].dtype.numpy_dtype))
         (stage.tmp / "config.json").write_text(json.dumps(hf_config_from(cfg, weights_dtype, base), indent=2))
         stage.commit()

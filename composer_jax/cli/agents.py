@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from composer_jax.cli.common import EXIT_USAGE, command_group, positive_int, subcommand
+from composer_jax.cli.common import EXIT_USAGE, command_group, non_negative_int, positive_int, subcommand
 
 
 # tasks check
@@ -43,7 +43,7 @@ def _run_feature_deletion(args) -> int:
     try:
         config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
                                        test_command=args.test_command, timeout_s=args.timeout,
-                                       min_lines=args.min_lines, backend=args.backend)
+                                       min_lines=args.min_lines, backend=args.backend, held_out=args.held_out)
         report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
     except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
@@ -62,6 +62,29 @@ def _run_tasks_list(args) -> int:
     except TaskError as e:
         print(f"composer-jax tasks list: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    return 0
+
+
+def _run_tasks_demos(args) -> int:
+    from composer_jax.envs.demos import DemoConfig, DemoError, summary_line, write_demos, write_toy_demos
+    from composer_jax.envs.tools import TOOL_NAMES
+    from composer_jax.sandbox import SandboxError, SandboxUnavailable
+    from composer_jax.tasks import TaskError
+
+    try:
+        config = DemoConfig(tools=tuple(args.tools.split(",")) if args.tools is not None else TOOL_NAMES,
+                            format=args.format, max_output_chars=args.max_output_chars,
+                            hinted_share=args.hinted_share, seed=args.seed, workers=args.workers, backend=args.backend)
+        if args.tasks_dir.startswith("toy:"):
+            summary = write_toy_demos(args.tasks_dir, args.out, config, count=args.count, length=args.length,
+                                      use_tool=args.use_tool)
+        else:
+            summary = write_demos(args.tasks_dir, args.out, config, log=lambda line: print(line, file=sys.stderr))
+    except (DemoError, TaskError, SandboxError, SandboxUnavailable) as e:
+        print(f"composer-jax tasks demos: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(summary_line(summary))
+    print(f"conversations: {summary.path}")
     return 0
 
 
@@ -94,6 +117,9 @@ def _add_tasks(sub) -> None:
                    help="pytest command run from the repository root (default: python -m pytest -q without plugin "
                         "autoload, PYTHONPATH=src for a src/ layout)")
     f.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
+    f.add_argument("--held-out", type=non_negative_int, default=0, metavar="N",
+                   help="move the last N tasks (by id) to OUT_DIR/held-out/ for evaluation: training on OUT_DIR "
+                        "(demos, RL) never sees them (default 0)")
     f.add_argument("--min-lines", type=positive_int, default=3,
                    help="lines of code a deletion must remove, at least (default 3)")
     f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
@@ -102,6 +128,30 @@ def _add_tasks(sub) -> None:
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")
     t.add_argument("out_dir", metavar="OUT_DIR")
+    d = subcommand(tasks_sub, "demos", _run_tasks_demos, "write agent trajectories solving tasks (SFT data)",
+                   "For every task of TASKS_DIR (a directory of task directories, or one) that "
+                   "has a solution.patch, play a scripted agent in the coding environment: run "
+                   "the tests, read the files the solution changes, apply it with edit calls, run "
+                   "the tests again, submit. Write one OpenAI-style chat conversation per task "
+                   "whose episode earns reward 1 (real tool outputs) to OUT.jsonl; a share of them "
+                   "show a flagged mistake's hint before one turn (kind 'hinted').")
+    d.add_argument("tasks_dir", metavar="TASKS_DIR", help="a directory of coding tasks (or one task), or toy:FAMILY "
+                                                          "(toy tasks: toy:add, toy:copy, toy:reverse)")
+    d.add_argument("out", metavar="OUT.jsonl", help="the JSON lines file to write (its directory is made)")
+    d.add_argument("--count", type=positive_int, default=256, help="toy: tasks drawn (default 256)")
+    d.add_argument("--length", type=positive_int, default=3, help="toy: letters per word (default 3)")
+    d.add_argument("--use-tool", action="store_true", help="toy: answer through a submit tool call")
+    d.add_argument("--tools", default=None, metavar="a,b,c",
+                   help="declared tools, comma-separated; must include submit and edit or write_file (default: all)")
+    d.add_argument("--format", choices=("plain", "kimi"), default="plain", help="tool-call format (default plain)")
+    d.add_argument("--max-output-chars", type=positive_int, default=4000,
+                   help="tool output cut after this many characters (default 4000)")
+    d.add_argument("--hinted-share", type=float, default=0.25, metavar="S",
+                   help="share of the conversations that are hinted (default 0.25)")
+    d.add_argument("--seed", type=int, default=0, help="which conversations are hinted, and where (default 0)")
+    d.add_argument("--workers", type=positive_int, default=1, help="tasks played at once (default 1)")
+    d.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
 
 
 # eval / eval compare
@@ -114,10 +164,14 @@ def _run_eval(args) -> int:
 
     out = args.out or f"eval-{_slug(args.model)}-{_slug(args.tasks_dir)}"
     try:
-        config = EvalConfig(samples=args.samples, max_turns=args.max_turns, workers=args.workers, seed=args.seed)
         tasks = load_task_set(args.tasks_dir)
         agent = load_agent(args.model, temperature=args.temperature, overrides=args.overrides)
         try:
+            trained = getattr(agent, "trained_with", {})    # the run's own agent settings are the defaults
+            config = EvalConfig(samples=args.samples, max_turns=args.max_turns or trained.get("max_turns") or 30,
+                                tools=tuple(args.tools.split(",")) if args.tools else tuple(trained.get("tools") or ()),
+                                max_output_chars=args.max_output_chars or trained.get("max_output_chars") or 0,
+                                workers=args.workers, seed=args.seed)
             summary = evaluate(agent, tasks, out, config, sandbox=make_sandbox(args.backend),
                                log=None if args.quiet else lambda line: print(line, file=sys.stderr))
         finally:
@@ -171,7 +225,12 @@ def _add_eval(sub) -> None:
                         "(context per episode), max_slots (episodes decoding at once), steps_per_call, format "
                         "(plain or kimi); model.KEY=VALUE overrides the model config")
     r.add_argument("--samples", type=int, default=1, metavar="K", help="attempts per task (default 1)")
-    r.add_argument("--max-turns", type=int, default=30, metavar="T", help="assistant turns per attempt (default 30)")
+    r.add_argument("--max-turns", type=int, default=None, metavar="T",
+                   help="assistant turns per attempt (default: the model's recorded agent settings, else 30)")
+    r.add_argument("--tools", default=None, metavar="a,b,c",
+                   help="tools declared to the agent (default: those the model was trained with, else all)")
+    r.add_argument("--max-output-chars", type=positive_int, default=None, metavar="N",
+                   help="a tool result is cut to N characters (default: the model's recorded setting, else 4000)")
     r.add_argument("--temperature", type=float, default=None, metavar="X",
                    help="sampling temperature (default: the agent's)")
     r.add_argument("--workers", type=int, default=1, metavar="N", help="attempts at once (default 1)")

@@ -146,7 +146,7 @@ def _add_convert(sub) -> None:
 
 
 def _run_export(args) -> int:
-    from composer_jax.checkpoint.export import export
+    from composer_jax.model_dirs import export_model
 
     cfg = None
     if args.config is not None:
@@ -156,18 +156,20 @@ def _run_export(args) -> int:
     elif args.overrides:
         raise ConfigError("", f"overrides ({' '.join(args.overrides)}) apply to --config, which is not given")
     progress = log_to_stderr("export", args.quiet)
-    export(args.src, args.dst, cfg=cfg, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
-           workers=args.workers, chunk_bytes=args.chunk_mb << 20, overwrite=args.overwrite, restart=args.restart,
-           progress=progress, mtp=not args.no_mtp)
+    export_model(args.src, args.dst, cfg=cfg, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                 workers=args.workers, chunk_bytes=args.chunk_mb << 20, overwrite=args.overwrite,
+                 restart=args.restart, progress=progress, mtp=not args.no_mtp)
     return 0
 
 
 def _add_export(sub) -> None:
     p = _streaming_command(
         sub, "export", "orbax checkpoint -> Hugging Face directory (transformers-loadable)",
-        "Stream a converted model directory, a training checkpoint step (RUN/checkpoints/STEP) or an orbax params "
-        "checkpoint (with --config) into a Hugging Face directory: config.json, sharded safetensors and index.",
-        "directory written by convert, a training checkpoint step, or an orbax checkpoint",
+        "Stream a run directory of any phase (its latest checkpoint), a training checkpoint step "
+        "(RUN/checkpoints/STEP), a converted model directory or an orbax params checkpoint (with --config) into a "
+        "Hugging Face directory: config.json, sharded safetensors and index, and the model's tokenizer files with "
+        "the chat template it was trained with (transformers' AutoTokenizer loads them).",
+        "a run directory, a training checkpoint step, a directory written by convert, or an orbax checkpoint",
         "overrides of the --config model config")
     p.add_argument("--config", default=None,
                    help="model config (default: SRC/model_config.yaml, or the training step's run config)")
@@ -182,9 +184,10 @@ def _add_export(sub) -> None:
 # generate
 
 
-def _generate_prompts(args, tokenizer) -> list[tuple[str, list[int]]]:
-    """(where it came from, token ids) per prompt, from --prompt or a --prompts JSONL file."""
-    from composer_jax.data.chat import START, render
+def _generate_prompts(args, tokenizer, fmt) -> list[tuple[str, list[int]]]:
+    """(where it came from, token ids) per prompt, from --prompt or a --prompts JSONL file; --chat renders
+    them in the model's chat format `fmt` (composer_jax.data.chat)."""
+    from composer_jax.data.chat import render
 
     def encode(text: str, where: str) -> list[int]:
         if tokenizer is None:
@@ -193,8 +196,7 @@ def _generate_prompts(args, tokenizer) -> list[tuple[str, list[int]]]:
         return [int(i) for i in tokenizer.encode(text)]
 
     def chat(messages, where: str) -> list[int]:
-        text = "".join(piece for piece, _ in render(messages)) + f"{START}assistant\n"
-        return encode(text, where)
+        return encode("".join(piece for piece, _ in render(messages, fmt, generation_prompt=True)), where)
 
     if args.prompt is not None:
         where = "--prompt"
@@ -235,27 +237,32 @@ def _run_generate(args) -> int:
     import time
 
     from composer_jax.config import MeshConfig, ModelConfig, apply_overrides, from_dict
-    from composer_jax.data.chat import END
+    from composer_jax.data.chat import format_for, get_chat_format
     from composer_jax.infer import Engine, GenerationError, SamplingParams
     from composer_jax.infer.config import GenerateConfig
     from composer_jax.infer.generate import default_max_len, request_seeds
-    from composer_jax.model_dirs import open_model
+    from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]
-    gen = from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, [o for o in args.overrides
-                                                                         if not o.startswith("model.")]))
+    gen_overrides = [o for o in args.overrides if not o.startswith("model.")]
+    from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, gen_overrides))   # bad settings fail before loading
     apply_overrides(ModelConfig, {}, model_overrides)  # unknown model keys fail here, before loading
     try:
         opened = open_model(args.model, model_overrides)
         tokenizer, model = opened.tokenizer, opened.model
-        prompts = _generate_prompts(args, tokenizer)
+        # The sampling the model was trained with (a run's agent settings) is the default.
+        trained = {k: v for k, v in opened.chat.agent.items() if k in ("temperature", "top_p", "top_k",
+                                                                         "max_new_tokens") and v is not None}
+        gen = from_dict(GenerateConfig, apply_overrides(GenerateConfig, trained, gen_overrides))
+        fmt = get_chat_format(format_for(tokenizer, opened.chat.format)) if tokenizer is not None else None
+        prompts = _generate_prompts(args, tokenizer, fmt)
         if args.devices > 1:
             import jax
 
             from composer_jax.parallel import DualMesh, set_mesh
 
             set_mesh(model, DualMesh(MeshConfig(), jax.devices()[:args.devices], model=model.cfg))
-        stops = tuple(s for s in (gen.stop, END if args.chat else "") if s)
+        stops = tuple(s for s in (gen.stop, fmt.end_of_turn if args.chat and fmt else "") if s)
         detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
         if stops and detokenize is None:
             raise ValueError(f"stop strings need a tokenizer, and {args.model} has none")

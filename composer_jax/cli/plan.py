@@ -132,6 +132,8 @@ def _run_plan(args) -> int:
     print(plan_table(plans, args.hbm_gb))
     report = {"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
               "hbm_gb": args.hbm_gb, "mem_fraction": MEM_FRACTION, "plans": [p.to_dict() for p in plans]}
+    if cfg.train.init_from:
+        report["loading"] = _loading(cfg, train.sizes, min(args.devices, args.devices_per_host))
     if cfg.optimizer.name == "muon":
         share = ns_share(cfg.model, train.sizes, ns_dtype=cfg.optimizer.ns_dtype)
         print(f"\nMuon Newton-Schulz per device: {share.per_device / 1e12:.4g} TFLOP, {share.ratio:.4f}x the even "
@@ -144,6 +146,22 @@ def _run_plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _loading(cfg, sizes: dict, devices_per_host: int) -> dict:
+    """Print and return the host memory of streaming train.init_from's weights onto the layout."""
+    import numpy as np
+
+    from composer_jax.model_dirs import open_source
+    from composer_jax.plan.loading import loading_peak
+
+    source = open_source(cfg.train.init_from, need_weights=False)    # its config and index: nothing is read
+    itemsize = 4 if source.quantized else np.dtype(source.model.param_dtype).itemsize
+    peak = loading_peak(cfg.model, sizes, devices_per_host, itemsize)
+    print(f"\nloading {source.description}: peak {_gb(peak.bytes)} per host of {devices_per_host} devices ({peak.leaf}: "
+          f"its local shards {_gb(peak.held)} + one source tensor's block {_gb(peak.read)}"
+          f"{', dequantized to float32' if source.quantized else ''})")
+    return {"source": str(source.path), "devices_per_host": devices_per_host, **peak.to_dict()}
 
 
 def _verdicts(cfg, seq_lens: list[int], layouts: list[MeshConfig], args, options) -> list[dict]:
@@ -212,5 +230,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--rl-slots", type=non_negative_int, default=1,
                    help="RL feedback windows per trajectory (default 1; 0: no self-distillation teacher)")
     p.add_argument("--rl-window", type=positive_int, default=2048, help="tokens per RL feedback window (default 2048)")
+    p.add_argument("--devices-per-host", type=positive_int, default=8,
+                   help="devices a host drives, for the host memory of loading train.init_from (default 8)")
     p.add_argument("--hbm-gb", type=float, default=HBM_GB, help=f"memory per device in GB (default {HBM_GB:g}: H200)")
     p.add_argument("--json", metavar="PATH", help="also write the plans and verdicts as JSON")

@@ -26,7 +26,11 @@ class DataConfig:
     exclude: str = "site-packages"       # comma-separated path components to leave out
     format: Literal["text", "chat"] = "text"   # text: documents; chat: conversations, loss on assistant tokens
     field: str = ""                      # record field: "" = "text" for text, "messages" for chat
-    tokenizer: str = "byte"              # "byte", a tokenizer.json, or a tiktoken BPE file
+    # "byte", a tokenizer.json or tiktoken file (or a directory holding one); "": train.init_from's, else byte
+    tokenizer: str = ""
+    # chat / tool-call format of conversations: plain, kimi; "": train.init_from's, else kimi when the
+    # tokenizer has Kimi's markers as single tokens, else plain
+    chat_format: Literal["", "plain", "kimi"] = ""
     append_eos: bool = False             # end each text document with the tokenizer's EOS id
     eval_fraction: float = 0.05          # held-out share of records (stable hash of the record key)
     shuffle: bool = True                 # shuffle the train records (anew each epoch)

@@ -69,6 +69,7 @@ class Example:
     tokenizer: Tokenizer
     seq_len: int
     skips: SkipLog
+    fmt: chat.ChatFormat = chat.PlainChat()     # how conversations render (the run's chat format)
 
     def __call__(self, record: dict):
         cfg, field = self.cfg, self.cfg.record_field
@@ -83,7 +84,10 @@ class Example:
             value = record[field]
         if cfg.format == "chat":
             try:
-                tokens, mask = chat.tokenize_conversation(value, self.tokenizer.encode)
+                tools = record.get("tools") or ()      # declared tools, as chat datasets carry them
+                if not isinstance(tools, list | tuple) or not all(isinstance(t, dict) for t in tools):
+                    raise chat.ConversationError("'tools' must be a list of function schemas")
+                tokens, mask = chat.tokenize_conversation(value, self.tokenizer.encode, self.fmt, tools)
             except chat.ConversationError as e:
                 return self.skips.skip("bad_conversation", f"{where} ({e})")
             if len(tokens) > self.seq_len:
@@ -123,11 +127,12 @@ def _probe(subset: _Subset, example: Example, cfg: DataConfig, split: str) -> No
 
 
 def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len: int, batch_size: int,
-                  repeat: bool, shard_index: int = 0, shard_count: int = 1,
-                  skips: SkipLog | None = None) -> grain.IterDataset:
+                  repeat: bool, shard_index: int = 0, shard_count: int = 1, skips: SkipLog | None = None,
+                  fmt: chat.ChatFormat | None = None) -> grain.IterDataset:
     """The batched grain IterDataset of `split` ('train' or 'eval'), rows of `seq_len` tokens.
 
-    Yields dicts of FEATURES arrays shaped [batch_size, seq_len]. `repeat`: loop over epochs forever
+    Yields dicts of FEATURES arrays shaped [batch_size, seq_len]; conversations render in `fmt` (default
+    plain: composer_jax.data.chat). `repeat`: loop over epochs forever
     (each epoch reshuffled); otherwise one pass, dropping the last partial batch. Each of
     `shard_count` processes reads the disjoint shard `shard_index` of the split.
     """
@@ -140,7 +145,7 @@ def build_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str, seq_len:
         raise DataError(f"the {split} split of data path {resolve_root(cfg.path)} has {len(indices)} records, "
                         f"fewer than the {shard_count} data shards (data.eval_fraction={cfg.eval_fraction})")
     subset = _Subset(source, indices)
-    example = Example(cfg, tokenizer, seq_len, skips)  # the source and the examples share `skips`
+    example = Example(cfg, tokenizer, seq_len, skips, fmt or chat.PlainChat())  # sharing `skips` with the source
     _probe(subset, example, cfg, split)
     ds = grain.MapDataset.source(subset)[shard_index::shard_count]
     if cfg.shuffle and split == "train":

@@ -48,6 +48,25 @@ class ByteTokenizer:
         return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
 
 
+def _byte_chars() -> list[str]:
+    """The printable character GPT-2's byte-level BPE maps each byte 0..255 to (its `bytes_to_unicode`)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    moved = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
+
+def byte_tokenizer_json() -> str:
+    """A Hugging Face tokenizer.json whose ids are the UTF-8 bytes, 0..255: what `ByteTokenizer` encodes,
+    for transformers' AutoTokenizer (an export of a byte-level model)."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = _Tok(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json (no special tokens added on encode)."""
 
@@ -106,26 +125,63 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+# Kimi K2's pre-tokenization regex (moonshotai's tokenization_kimi.py), used with its tiktoken.model.
+KIMI_PATTERN = "|".join([
+    r"""[\p{Han}]+""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+""",
+])
+
+
+def _token_name(value) -> str | None:
+    """A token named in tokenizer_config.json: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
 class TiktokenTokenizer:
-    """A tiktoken BPE file; `<|endoftext|>` is added as a special token right after the ranks (the EOS)."""
+    """A tiktoken BPE file. With a tokenizer_config.json beside it (a Hugging Face checkpoint's, e.g. Kimi
+    K2's), its `added_tokens_decoder` are the special tokens, one id each also where they appear in text,
+    its `eos_token` the EOS, and Kimi's tokenizer gets Kimi's pre-tokenization. A bare file gets
+    `<|endoftext|>` right after the ranks (the EOS) and the cl100k_base pre-tokenization."""
 
     def __init__(self, path: Path):
         import tiktoken
 
         ranks = read_tiktoken_ranks(path)
-        eos = max(ranks.values()) + 1
+        config = _read_tokenizer_config(path.parent / "tokenizer_config.json")
+        specials = {_token_name(t): int(i) for i, t in (config.get("added_tokens_decoder") or {}).items()
+                    if int(i) >= len(ranks) and _token_name(t)}
+        eos_name = _token_name(config.get("eos_token"))
+        if not specials:
+            specials, eos_name = {"<|endoftext|>": max(ranks.values()) + 1}, "<|endoftext|>"
+        kimi = "tokenization_kimi" in json.dumps(config.get("auto_map") or {})
         try:
-            self._enc = tiktoken.Encoding(name=path.stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                          special_tokens={"<|endoftext|>": eos})
+            self._enc = tiktoken.Encoding(name=path.stem, pat_str=KIMI_PATTERN if kimi else TIKTOKEN_PATTERN,
+                                          mergeable_ranks=ranks, special_tokens=specials)
         except Exception as e:
             raise TokenizerError(f"tokenizer file {path} does not load as a tiktoken BPE file: {e}") from None
-        self.name, self.vocab_size, self.eos_id = str(path), eos + 1, eos
+        self._specials = set(specials)
+        self.name, self.vocab_size = str(path), max(specials.values()) + 1
+        self.eos_id = specials.get(eos_name)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._enc.encode_ordinary(text), np.int32)
+        return np.asarray(self._enc.encode(text, allowed_special=self._specials, disallowed_special=()), np.int32)
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+    return config if isinstance(config, dict) else {}
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -137,10 +193,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise TokenizerError(f"tokenizer file {path} does not exist (use 'byte', a tokenizer.json or a "
                              "tiktoken BPE file)")
     if path.is_dir():
-        if (path / "tokenizer.json").is_file():
-            path = path / "tokenizer.json"
-        else:
-            raise TokenizerError(f"tokenizer path {path} is a directory without a tokenizer.json")
+        found = [path / name for name in ("tokenizer.json", "tiktoken.model") if (path / name).is_file()]
+        if not found:
+            raise TokenizerError(f"tokenizer path {path} is a directory without a tokenizer.json or tiktoken.model")
+        path = found[0]
     if path.suffix == ".json":
         try:  # a clearer message for JSON that is not a tokenizer at all
             json.loads(path.read_text(encoding="utf-8"))

@@ -75,10 +75,6 @@ class CodingEnv:
         return HintContext(tuple(t.name for t in self.tools), self.fmt.render_call(*example),
                            self.config.max_output_chars)
 
-    def demonstration(self, task: Task) -> str:
-        """A first turn that acts (a warm start's target): run the task's tests."""
-        return self.fmt.render_call("run", {"command": task.test_command})
-
     def reset(self, task: Task) -> list[dict]:
         self.close()
         self._tmp = Path(tempfile.mkdtemp(prefix=f"composer_jax-env-{task.id}-"))

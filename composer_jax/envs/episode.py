@@ -80,12 +80,24 @@ class TokenEpisode:
         new = self._append(tail)
         self.done, self.info = done, info
         if done:
-            stats = EpisodeStats(turns=info["turns"], generated_tokens=sum(self.generated),
-                                 tool_calls=info["tool_calls"], failed_calls=info["failed_calls"],
-                                 malformed_turns=info["malformed_turns"])
-            self.reward_terms = compose_reward(info["task_reward"], stats, self.rewards, self.train_step)
-            info["reward"] = self.reward_terms["total"]
+            self._finish()
         return new, done, info
+
+    def cut(self) -> None:
+        """End an episode whose context ran out before it did: unsolved and ungraded (task reward 0), its
+        turns kept as they were played; `info["context_full"]` says so, and the calls the environment
+        carried out are counted (a coding env keeps them in `stats`)."""
+        counts = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0,
+                  **getattr(self.env, "stats", {})}
+        self.done, self.info = True, {"turns": len(self.turns), "task_reward": 0.0, "context_full": True, **counts}
+        self._finish()
+
+    def _finish(self) -> None:
+        info = self.info
+        stats = EpisodeStats(turns=info["turns"], generated_tokens=sum(self.generated), tool_calls=info["tool_calls"],
+                             failed_calls=info["failed_calls"], malformed_turns=info["malformed_turns"])
+        self.reward_terms = compose_reward(info["task_reward"], stats, self.rewards, self.train_step)
+        info["reward"] = self.reward_terms["total"]
 
     @property
     def reward(self) -> float:
@@ -120,10 +132,12 @@ def rollout_fields(episodes: Sequence[TokenEpisode], group_ids: Sequence[int], *
         if not ep.done:
             raise ValueError(f"episode {row} has not finished")
         n = len(ep.tokens)
-        if n > seq_len:
-            raise ValueError(f"episode {row} has {n} tokens, more than seq_len={seq_len}")
-        tokens[row, :n], segments[row, :n] = ep.tokens, 1
-        generated[row, :n], logprobs[row, :n] = ep.generated, ep.logprobs
+        if ep.info.get("context_full"):     # cut: the observation that filled the context may run past the row
+            n = min(n, seq_len)
+        if n > seq_len or any(ep.generated[n:]):
+            raise ValueError(f"episode {row} has {len(ep.tokens)} tokens, more than seq_len={seq_len}")
+        tokens[row, :n], segments[row, :n] = ep.tokens[:n], 1
+        generated[row, :n], logprobs[row, :n] = ep.generated[:n], ep.logprobs[:n]
         rewards[row] = ep.reward
         slot = 0
         for turn in (t for t in ep.turns if t.hint):

@@ -1,14 +1,14 @@
-"""Tool calls: two wire formats with their chat templates, and a parser with structured errors.
+"""Tool calls: the tool specs, the two chat formats with their call parsers, and structured errors.
 
+The formats render through composer_jax.data.chat (the one renderer: SFT data, environments, evaluation
+and exported chat templates write the same text):
 - `kimi`: Kimi K2's special-token format (for real checkpoints and their tokenizer, where each marker
   is one token id), as documented in moonshotai/Kimi-K2-Instruct docs/tool_call_guidance.md and parsed
   by vLLM's `KimiK2ToolParser` / sglang's `KimiK2Detector`:
       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}
       <|tool_call_end|><|tool_calls_section_end|>
-  Messages use Kimi's template `<|im_user|>user<|im_middle|>...<|im_end|>`; tool results are
-  `<|im_system|>tool<|im_middle|>## Return of functions.NAME:IDX\\n...<|im_end|>`.
-- `plain`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes / Qwen style) in ChatML
-  (`<|im_start|>role\\n...<|im_end|>\\n`, as composer_jax.data.chat), for byte-level tiny models.
+- `plain`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes / Qwen style) in ChatML, for
+  tokenizers without Kimi's markers.
 
 `parse_turn(text, fmt, tools)` returns the calls that validate against the tool specs and one
 `CallError` per call that does not: unknown tool, malformed JSON or call syntax, missing or unexpected
@@ -17,11 +17,12 @@ arguments, wrong types. The parser only reads text: episode history stays token 
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import json
 import re
 from collections.abc import Sequence
+
+from composer_jax.data.chat import ChatFormat, KimiChat, PlainChat
 
 UNKNOWN_TOOL, MALFORMED_JSON, MALFORMED_CALL = "unknown_tool", "malformed_json", "malformed_call"
 MISSING_ARGUMENT, UNEXPECTED_ARGUMENT, WRONG_TYPE = "missing_argument", "unexpected_argument", "wrong_type"
@@ -93,48 +94,20 @@ class RawCall:
     error: CallError | None = None
 
 
-class ToolFormat(abc.ABC):
-    """A tool-call syntax plus the chat template it belongs to."""
+class ToolFormat(ChatFormat):
+    """A chat format (composer_jax.data.chat: the one renderer) plus the parser of its tool calls."""
 
-    name: str
-    end_of_turn: str            # the marker that ends a message (sampling stops on it)
-    turn_suffix: str            # template text after an assistant message's end marker
+    def tools_message(self, tools: Sequence[ToolSpec | dict]) -> dict:
+        """The message that declares the tools (ToolSpecs or their schemas), first in the conversation."""
+        return super().tools_message([t.schema() if isinstance(t, ToolSpec) else t for t in tools])
 
-    def hint_insert(self, hint: str) -> str:
-        """The text a teacher sees right before a flagged turn (after the assistant header): the empty
-        assistant message closed, the hint as a system message, a fresh assistant header."""
-        return self.end_of_turn + self.turn_suffix + self.message("system", hint) + self.generation_prompt()
-
-    @abc.abstractmethod
-    def message(self, role: str, content: str, name: str | None = None) -> str:
-        """One rendered message; `name` is the call id a tool result answers."""
-
-    @abc.abstractmethod
-    def generation_prompt(self) -> str:
-        """The text after which the model writes its turn."""
-
-    @abc.abstractmethod
     def extract(self, text: str) -> tuple[str, list[RawCall]]:
         """(text outside the calls, the calls as written) of an assistant message."""
-
-    @abc.abstractmethod
-    def render_call(self, name: str, arguments: dict, index: int = 0) -> str:
-        """A call as the model should write it (scripted policies, SFT data)."""
-
-    @abc.abstractmethod
-    def tools_message(self, tools: Sequence[ToolSpec]) -> dict:
-        """The message that declares the tools (first in the conversation)."""
+        raise NotImplementedError
 
 
-class PlainFormat(ToolFormat):
-    name, end_of_turn, turn_suffix = "plain", "<|im_end|>", "\n"
+class PlainFormat(ToolFormat, PlainChat):
     _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-    def message(self, role, content, name=None):
-        return f"<|im_start|>{role}\n{content}<|im_end|>\n"
-
-    def generation_prompt(self):
-        return "<|im_start|>assistant\n"
 
     def extract(self, text):
         calls = []
@@ -153,34 +126,12 @@ class PlainFormat(ToolFormat):
             calls.append(RawCall(obj["name"], json.dumps(obj.get("arguments", {})), call_id))
         return self._CALL.sub("", text).strip(), calls
 
-    def render_call(self, name, arguments, index=0):
-        return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
-    def tools_message(self, tools):
-        lines = [f"- {t.signature()}: {t.description}" for t in tools]
-        return {"role": "system", "content": "Tools (call one as <tool_call>{\"name\": ..., \"arguments\": {...}}"
-                                             "</tool_call>):\n" + "\n".join(lines)}
-
-
-class KimiFormat(ToolFormat):
-    name, end_of_turn, turn_suffix = "kimi", "<|im_end|>", ""
-    SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+class KimiFormat(ToolFormat, KimiChat):
     # The singular `tool_call_section` spelling appears in the wild; a truncated turn may lack the end.
     _SECTION = re.compile(r"<\|tool_calls?_section_begin\|>(.*?)(?:<\|tool_calls?_section_end\|>|$)", re.DOTALL)
     _CALL = re.compile(r"<\|tool_call_begin\|>(.*?)(?:<\|tool_call_end\|>|(?=<\|tool_call_begin\|>)|$)", re.DOTALL)
     _ID = re.compile(r"(?:functions\.)?([A-Za-z_][\w.-]*):(\d+)")
-    _ROLE_TOKEN = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>",
-                   "tool": "<|im_system|>"}
-
-    def message(self, role, content, name=None):
-        if role == "tool":  # tool results: a system message named `tool`, headed by the call id
-            return f"<|im_system|>tool<|im_middle|>## Return of {name}\n{content}<|im_end|>"
-        label = name if role == "system" and name else role   # e.g. the `tool_declare` system message
-        return f"{self._ROLE_TOKEN[role]}{label}<|im_middle|>{content}<|im_end|>"
-
-    def generation_prompt(self):
-        return "<|im_assistant|>assistant<|im_middle|>"
 
     def extract(self, text):
         calls = []
@@ -196,14 +147,6 @@ class KimiFormat(ToolFormat):
                     continue
                 calls.append(RawCall(ident.group(1), args.strip(), header))
         return self._SECTION.sub("", text).strip(), calls
-
-    def render_call(self, name, arguments, index=0):
-        return (f"{self.SECTION_BEGIN}{self.CALL_BEGIN}functions.{name}:{index}{self.ARG_BEGIN}"
-                f"{json.dumps(arguments)}{self.CALL_END}{self.SECTION_END}")
-
-    def tools_message(self, tools):
-        return {"role": "system", "name": "tool_declare",
-                "content": json.dumps([t.schema() for t in tools], separators=(",", ":"))}
 
 
 FORMATS = {"plain": PlainFormat, "kimi": KimiFormat}

@@ -30,8 +30,9 @@ from concurrent.futures import Future
 
 from composer_jax import config as config_lib
 from composer_jax.config import ConfigError, ModelConfig
+from composer_jax.data.chat import format_for
 from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
-from composer_jax.envs.protocol import FORMATS, KimiFormat, ToolFormat, get_format
+from composer_jax.envs.protocol import FORMATS, ToolFormat, get_format
 from composer_jax.eval.agent import AgentTurn, ContextFull, TurnRequest
 from composer_jax.eval.errors import EvalError
 from composer_jax.infer import Completion, Engine, GenerationError, SamplingParams
@@ -65,13 +66,13 @@ class EngineAgentConfig:
 
 
 def tool_format(tokenizer: Tokenizer, choice: str = "") -> ToolFormat:
-    """The format `choice` names, or kimi when every Kimi tool-call marker is one token of `tokenizer`
-    (a real Kimi checkpoint), else plain `<tool_call>` text (byte-level and other tokenizers)."""
-    if choice:
-        return get_format(choice)
-    markers = (KimiFormat.SECTION_BEGIN, KimiFormat.CALL_BEGIN, KimiFormat.ARG_BEGIN, KimiFormat.CALL_END,
-               KimiFormat.SECTION_END, KimiFormat.end_of_turn)
-    return get_format("kimi" if all(len(tokenizer.encode(m)) == 1 for m in markers) else "plain")
+    """The format `choice` names, or kimi when every Kimi marker is one token of `tokenizer` (a real Kimi
+    checkpoint), else plain `<tool_call>` text (`composer_jax.data.chat.format_for`); an EvalError when
+    `choice` needs markers the tokenizer splits."""
+    try:
+        return get_format(format_for(tokenizer, choice))
+    except ValueError as e:
+        raise EvalError(str(e)) from None
 
 
 def turn_stops(tokenizer: Tokenizer, fmt: ToolFormat, eos_ids: Sequence[int] = ()) -> tuple[tuple[int, ...],
@@ -94,12 +95,13 @@ class EngineAgent:
 
     model: a CausalLM (its `mesh` decides the engine's layout); tokenizer: what the environment encodes
     with (its ids must be in the model's vocabulary); name: what is evaluated (run.json, `eval
-    compare`); eos_ids: stop tokens besides the format's end-of-turn marker. `settings` (pinned in
+    compare`); eos_ids: stop tokens besides the format's end-of-turn marker; trained_with: the agent settings
+    the model was trained with (tools, tool-output limit, turns: the evaluation's defaults). `settings` (pinned in
     run.json) holds what changes the tokens: sampling, turn length, context, format and `pinned`
     (e.g. model overrides); slots and steps per call do not, so a resumed run may change them."""
 
     def __init__(self, model, tokenizer: Tokenizer, name: str, config: EngineAgentConfig = EngineAgentConfig(), *,
-                 eos_ids: Sequence[int] = (), pinned: dict | None = None):
+                 eos_ids: Sequence[int] = (), pinned: dict | None = None, trained_with: dict | None = None):
         limit = model.cfg.rope.max_position_embeddings
         max_len = config.max_len or min(limit, MAX_LEN_CAP)
         if max_len > limit:
@@ -108,6 +110,7 @@ class EngineAgent:
             raise EvalError(f"{name}: the tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
                             f"of {model.cfg.vocab_size}")
         self.name, self.config, self.tokenizer = name, config, tokenizer
+        self.trained_with = dict(trained_with or {})   # the model's recorded agent settings (model_dirs.Chat.agent)
         self.fmt = tool_format(tokenizer, config.format)
         self.stop_tokens, self.stop_strings = turn_stops(tokenizer, self.fmt, eos_ids)
         try:
@@ -265,27 +268,40 @@ def _load_error(spec: str, e: BaseException) -> EvalError:
     return EvalError(f"MODEL {spec!r}: does not load: {text}")
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")   # agent settings a run records that sample
+
+
 def open_engine_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = ()) -> EngineAgent:
-    """An EngineAgent for the model directory `spec` (composer_jax.model_dirs.open_model: a Hugging Face
+    """An EngineAgent for the model directory `spec` (composer_jax.source_weights.open_model: a Hugging Face
     directory, a converted directory or a training run's latest checkpoint, with its tokenizer; a model
-    without one must be byte-level: a 256-id vocabulary). overrides: `key=value` EngineAgentConfig
-    fields and `model.KEY=VALUE` model config changes; `temperature`, when given, wins over theirs."""
-    from composer_jax.model_dirs import open_model
+    without one must be byte-level: a 256-id vocabulary). Its chat format and the sampling it was trained
+    with (the run's agent settings) are the defaults; `overrides`: `key=value` EngineAgentConfig fields and
+    `model.KEY=VALUE` model config changes; `temperature`, when given, wins over theirs. The agent's
+    `trained_with` holds the recorded agent settings (tools, tool-output limit, turns) for the environment."""
+    from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in overrides if o.startswith("model.")]
     try:
+        config_lib.apply_overrides(ModelConfig, {}, model_overrides)   # unknown model keys fail before loading
         agent_overrides = [o for o in overrides if not o.startswith("model.")]
         if temperature is not None:
             agent_overrides.append(f"temperature={temperature}")
-        config = config_lib.from_dict(EngineAgentConfig, config_lib.apply_overrides(EngineAgentConfig, {},
-                                                                                    agent_overrides))
-        config_lib.apply_overrides(ModelConfig, {}, model_overrides)   # unknown model keys fail before loading
-    except ValueError as e:   # ConfigError, or SamplingParams' check
+        config_lib.apply_overrides(EngineAgentConfig, {}, agent_overrides)
+    except ValueError as e:   # ConfigError
         raise EvalError(f"MODEL {spec!r}: agent setting: {e}") from None
     try:
         opened = open_model(spec, model_overrides)
     except (ValueError, OSError) as e:   # CheckpointError, ConfigError, TokenizerError, FileNotFoundError
         raise _load_error(spec, e) from None
+    trained = opened.chat.agent
+    defaults = {k: trained[k] for k in SAMPLING_KEYS if trained.get(k) is not None}
+    if opened.chat.format:
+        defaults["format"] = opened.chat.format
+    try:
+        config = config_lib.from_dict(EngineAgentConfig, config_lib.apply_overrides(EngineAgentConfig, defaults,
+                                                                                    agent_overrides))
+    except ValueError as e:   # ConfigError, or SamplingParams' check
+        raise EvalError(f"MODEL {spec!r}: agent setting: {e}") from None
     tokenizer = opened.tokenizer
     if tokenizer is None:
         if opened.model.cfg.vocab_size != ByteTokenizer.vocab_size:
@@ -293,4 +309,4 @@ def open_engine_agent(spec: str, *, temperature: float | None = None, overrides:
                             f"{opened.model.cfg.vocab_size} ids, not byte-level")
         tokenizer = ByteTokenizer()
     return EngineAgent(opened.model, tokenizer, opened.description, config, eos_ids=opened.eos_ids,
-                       pinned={"model_overrides": model_overrides} if model_overrides else None)
+                       pinned={"model_overrides": model_overrides} if model_overrides else None, trained_with=trained)

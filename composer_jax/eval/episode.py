@@ -25,7 +25,6 @@ def attempt_seed(seed: int, task: str, sample: int) -> int:
 
 
 CONTEXT_FULL = "context_full"
-NO_CALLS = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0}
 
 
 def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: AttemptRecord,
@@ -43,14 +42,17 @@ def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: Attempt
 
 
 def play(agent: Agent, episode: TokenEpisode, task, key: str, sample: int, seed: int, versions: list) -> None:
-    """Start `episode` on `task` and let `agent` write its turns (as episode `key`) until it ends;
-    appends each turn's per-token weight versions to `versions`. ContextFull propagates; the caller
-    ends the agent's episode."""
+    """Start `episode` on `task` and let `agent` write its turns (as episode `key`) until it ends, or until
+    the agent's context runs out (`ContextFull`: the episode is cut, unsolved: `TokenEpisode.cut`);
+    appends each turn's per-token weight versions to `versions`. The caller ends the agent's episode."""
     new = episode.start(task).tolist()
-    while not episode.done:
-        turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
-        versions.append(turn.versions)
-        new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+    try:
+        while not episode.done:
+            turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
+            versions.append(turn.versions)
+            new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
+    except ContextFull:
+        episode.cut()
 
 
 def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) -> AttemptRecord:
@@ -62,18 +64,13 @@ def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) 
     versions = []       # per turn, the weight version of each token (None: the agent does not say)
     try:
         play(agent, episode, task, key, sample, seed, versions)
-    except ContextFull:
-        pass            # the episode stays unfinished: recorded below as such
     finally:
         agent.end_episode(key)
         if hasattr(env, "close"):   # a CodingEnv left mid-episode (out of context, an error) deletes its workspace
             env.close()
-    if episode.done:
-        info, status = episode.info, (episode.info.get("check") or {}).get("status", "ok")
-        reward, turns = float(info["task_reward"]), info["turns"]
-    else:   # out of context: the calls made so far (CodingEnv keeps its counts in `stats`)
-        info, status = {**NO_CALLS, **getattr(env, "stats", {})}, CONTEXT_FULL
-        reward, turns = 0.0, len(episode.turns)
+    info = episode.info
+    status = CONTEXT_FULL if info.get("context_full") else (info.get("check") or {}).get("status", "ok")
+    reward, turns = float(info["task_reward"]), info["turns"]
     lint = (info.get("inspection") or {}).get("lint")
     record = AttemptRecord(
         task=task.id, sample=sample, seed=seed, reward=reward, solved=reward == 1.0, turns=turns,

@@ -32,10 +32,18 @@ from composer_jax.tasks.listing import find_tasks
 class EvalConfig:
     samples: int = 1                  # K: attempts per task
     max_turns: int = 30               # assistant turns per coding episode
+    tools: tuple[str, ...] = ()       # coding: the tools declared to the agent (empty: all)
+    max_output_chars: int = 0         # coding: a tool result is cut to this many characters (0: the env's default)
     workers: int = 1                  # attempts at once (threads; each runs its commands in the sandbox)
     seed: int = 0                     # attempt seeds derive from it, the task and the sample
     level: float = DEFAULT_LEVEL      # of the bootstrap confidence intervals
     resamples: int = DEFAULT_RESAMPLES
+
+    def coding(self) -> CodingEnvConfig:
+        """The coding environment of an attempt."""
+        default = CodingEnvConfig()
+        return CodingEnvConfig(max_turns=self.max_turns, tools=self.tools or default.tools,
+                               max_output_chars=self.max_output_chars or default.max_output_chars)
 
     def __post_init__(self):
         for name, meaning in (("samples", "samples (K, attempts per task)"), ("max_turns", "max turns"),
@@ -45,6 +53,10 @@ class EvalConfig:
                 raise EvalError(f"{meaning} must be an integer >= 1, got {value!r}")
         if not 0 < self.level < 1:
             raise EvalError(f"confidence level must be in (0, 1), got {self.level!r}")
+        try:
+            self.coding()
+        except ValueError as e:   # an unknown tool, no submit, a bad output limit
+            raise EvalError(str(e)) from None
 
 
 def load_task_set(tasks_dir: str | Path) -> list[Task]:
@@ -68,9 +80,11 @@ def coding_env(sandbox: Sandbox, fmt, config: CodingEnvConfig) -> Callable[[], C
 
 def run_spec(agent: Agent, task_ids: Sequence[str], config: EvalConfig) -> dict:
     """What run.json pins: a restart must evaluate the same agent on the same tasks the same way."""
-    return {"agent": agent.name, "agent_settings": agent.settings, "format": agent.fmt.name,
+    spec = {"agent": agent.name, "agent_settings": agent.settings, "format": agent.fmt.name,
             "tokenizer": agent.tokenizer.name, "tasks": sorted(task_ids), "samples": config.samples,
             "max_turns": config.max_turns, "seed": config.seed}
+    return spec | {k: list(v) if isinstance(v, tuple) else v
+                   for k, v in (("tools", config.tools), ("max_output_chars", config.max_output_chars)) if v}
 
 
 def evaluate(agent: Agent, tasks: Sequence, out_dir: str | Path, config: EvalConfig = EvalConfig(), *,
@@ -92,7 +106,7 @@ def evaluate(agent: Agent, tasks: Sequence, out_dir: str | Path, config: EvalCon
     if make_env is None:
         if not all(isinstance(t, Task) for t in tasks):
             raise EvalError("tasks other than coding tasks need make_env (e.g. lambda: ToyEnv(agent.fmt))")
-        make_env = coding_env(sandbox or Sandbox(), agent.fmt, CodingEnvConfig(max_turns=config.max_turns))
+        make_env = coding_env(sandbox or Sandbox(), agent.fmt, config.coding())
     out_dir = Path(out_dir)
     finished = {(r["task"], r["sample"]) for r in open_run(out_dir, run_spec(agent, ids, config))}
     pending = [(t, s) for t in sorted(tasks, key=lambda t: t.id) for s in range(config.samples)

@@ -36,21 +36,21 @@ import yaml
 from flax import nnx
 
 from composer_jax.config import ConfigError, MeshConfig, to_dict
-from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import cut_examples, write_examples
 from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent
 from composer_jax.model import CausalLM
+from composer_jax.model_dirs import write_chat
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.parallel.distributed import any_process, process_major_devices
 from composer_jax.rl.exchange import LearnerExchange, engine_settings
 from composer_jax.rl.ingest import data_shards, process_rows
 from composer_jax.rl.reference import ReferencePolicy
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, engine_sampling
-from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.rl.run_config import RLRunConfig, resolve_run
 from composer_jax.rl.step import RLStep
 from composer_jax.rl.task_sets import TaskSets, task_sets
-from composer_jax.rl.warm_start import demonstrations, warm_start
+from composer_jax.source_weights import load_model
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.lifecycle import StopSignals, interruption
@@ -125,12 +125,11 @@ class RLTrainer:
     to disk but coding tasks made from `env.repo` (RUN_DIR/tasks); `run()` writes the rest. `tasks`: the task sets (default: those `cfg.env` describes)."""
 
     def __init__(self, cfg: RLRunConfig, tasks: TaskSets | None = None):
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
-        self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir, cfg.warm_start.tasks)
-        self.tokenizer = ByteTokenizer()
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                                                  f"{self.tokenizer.vocab_size} ids")
+        setup = resolve_run(cfg)       # init_from, the tokenizer and chat format, env settings from the source
+        self.cfg, self.run_dir, self.source, self.chat = setup.cfg, Path(cfg.run_dir), setup.source, setup.chat
+        self.tokenizer = setup.tokenizer
+        cfg = self.cfg
+        self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
         try:
             self._build()
@@ -149,29 +148,8 @@ class RLTrainer:
             raise ConfigError("rollout.batch_size", f"{cfg.rollout.batch_size} rows (micro-batches of "
                                                     f"{cfg.rl.micro_batch or cfg.rollout.batch_size}) do not split "
                                                     f"over the learner's {shards} data-parallel shards")
-        if cfg.warm_start.steps and cfg.warm_start.batch_size % shards:
-            raise ConfigError("warm_start.batch_size", f"{cfg.warm_start.batch_size} rows do not split over the "
-                                                       f"learner's {shards} data-parallel shards")
-        model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
         with self.dual:
-            shard_model(model, self.dual)
-            self.warm_ce, self.warm_s = None, 0.0
-            # The warm start runs on a fresh run, and again on a resumed one that needs the policy RL began
-            # with: the KL term's reference, or the fixed self-distillation teacher.
-            if cfg.warm_start.steps and (self.resumed_from is None or cfg.rl.kl_coef > 0
-                                         or cfg.rl.sd_teacher == "initial"):
-                env = self.tasks.make_env()
-                try:
-                    # A hinted row holds what a teacher sees: up to the turn, then a feedback window.
-                    rows = cfg.rollout.max_len + (cfg.rollout.feedback_window if cfg.warm_start.hint_share else 0)
-                    demos = demonstrations(env, self.tokenizer, self.tasks.demos, rows,
-                                           cfg.rollout.max_new_tokens, cfg.warm_start.hint_share)
-                finally:
-                    if hasattr(env, "close"):
-                        env.close()
-                began = time.perf_counter()
-                model, self.warm_ce = warm_start(model, cfg, demos)
-                self.warm_s = time.perf_counter() - began
+            model = self._initial_model()
             self.reference = ReferencePolicy(model, cfg.rl.loss_chunk) if cfg.rl.kl_coef > 0 else None
             self.rl_step = RLStep(model, cfg.rl)
             self.state = self.rl_step.init_state(model)
@@ -192,6 +170,14 @@ class RLTrainer:
         # built here when one runs.
         self.agent = None if self.remote else self._engine_agent(model, engine_devices)
 
+    def _initial_model(self) -> CausalLM:
+        """The policy RL starts from, on the learner's grid: init_from's weights (streamed into their shards;
+        again on a resumed run, as the KL reference and the fixed teacher), else a fresh model."""
+        cfg = self.cfg
+        if self.source is not None:
+            return load_model(self.source, cfg.model, self.dual, seed=cfg.seed)
+        return shard_model(CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed)), self.dual)
+
     def _engine_agent(self, source: CausalLM, engine_devices: list | None = None) -> EngineAgent:
         """The in-process engine: on the learner's devices (over `source`, the learner's model), or on
         its own (a fresh model placed there); it starts with a copy of the learner's current weights."""
@@ -199,7 +185,7 @@ class RLTrainer:
             source = CausalLM(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
             shard_model(source, DualMesh(MeshConfig(), engine_devices, model=self.cfg.model))
         agent = engine_agent(self.cfg, self.tokenizer, source)
-        # A copy of the learner's current weights (restored or warm-started): its arrays are donated by the steps.
+        # A copy of the learner's current weights (restored, or the source's): its arrays are donated by the steps.
         agent.update_weights(agent.engine.place_weights(self._policy()), self.version)
         return agent
 
@@ -249,13 +235,13 @@ class RLTrainer:
         if lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            write_chat(self.run_dir, self.chat, self.tokenizer)   # the run opens as a model source
             cut_examples(self.run_dir / "monitor.jsonl", keep_through)
         writer = metrics_lib.MetricsWriter(self.run_dir if lead else None, keep_through=keep_through)
         progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress, muted=not lead)
         producer = self._rollouts(start)
         overlap, rewards, dropped_stale = Overlap(), [], 0
-        summary = {"start_step": start, "steps": cfg.rl.steps, "warm_start_ce": self.warm_ce,
-                   "warm_start_s": self.warm_s}
+        summary = {"start_step": start, "steps": cfg.rl.steps}
         saved, trained = self.resumed_from, False
         t_begin = time.perf_counter()
         progress.status("compiling the engine and the RL step" if not self.remote else

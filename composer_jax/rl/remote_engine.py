@@ -26,13 +26,12 @@ import jax
 from flax import nnx
 
 from composer_jax.config import ConfigError, MeshConfig
-from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.exchange import (POLL_S, EngineExchange, ExchangeError, Heartbeat, check_same_settings,
                                       engine_settings)
 from composer_jax.rl.rollout import RolloutProducer, engine_agent, engine_sampling
-from composer_jax.rl.run_config import RLRunConfig
+from composer_jax.rl.run_config import RLRunConfig, resolve_run
 from composer_jax.rl.task_sets import TaskSets, task_sets
 
 
@@ -83,14 +82,16 @@ def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print, engine: in
 
 
 def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float, engine: int) -> dict:
+    setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
+    cfg = setup.cfg
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
     shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
-    agent = engine_agent(cfg, ByteTokenizer(), model)
+    agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
     exchange = None
     try:
         session = EngineExchange.wait_session(root, timeout)
-        tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir, cfg.warm_start.tasks)
+        tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
         while True:
             exchange = EngineExchange(root, session, agent.engine.state, timeout, cfg.rollout.weight_transfer)
             of = f"engine {engine} of {cfg.rollout.engines}: " if cfg.rollout.engines > 1 else ""

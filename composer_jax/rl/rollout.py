@@ -15,11 +15,11 @@ max_staleness = 0 it waits for the learner before every batch: a synchronous loo
 batches to the exchange directory instead of the learner's thread.
 
 One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
-episode in its own thread, all turns decoding together in the engine's slots). An episode that raises
-(the environment crashed, the context ran out) or whose environment call runs past
-`rollout.timeout_s` (it hung) is lost: the group assembler refills or drops its group (`rl.groups`),
-and the run goes on. Groups whose rewards are
-all equal are dropped; the batch keeps its shape by padding rows that carry no generated token (no
+episode in its own thread, all turns decoding together in the engine's slots). An episode that fills
+the engine's context ends there, unsolved (reward 0), and trains like any other. An episode that raises
+(the environment crashed) or whose environment call runs past `rollout.timeout_s` (it hung) is lost:
+the group assembler refills or drops its group (`rl.groups`), and the run goes on. Groups whose rewards
+are all equal are dropped; the batch keeps its shape by padding rows that carry no generated token (no
 gradient). Rows are ordered by draw and sample, so the same seeds give the same batch whatever the
 timing. Each episode samples from its own seed (its draw and sample), independent of its slot.
 """

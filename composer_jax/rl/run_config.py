@@ -1,5 +1,5 @@
 """`composer-jax rl` run configs: the model, the fused step (`rl`), rollout production, the environment
-and its tasks, rewards, task sampling, the reward-hacking monitor, the warm start, periodic evaluation
+and its tasks, rewards, task sampling, the reward-hacking monitor, periodic evaluation
 and checkpoints. Read like the pretraining run configs (`train.config.load_config_with_model`: a named
 model is inlined, `a.b=value` overrides, errors name the dotted key)."""
 
@@ -10,13 +10,14 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig, check_fits_model
+from composer_jax.config import ConfigError, MeshConfig, ModelConfig, check_fits_model, shipped_path
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.envs.coding import CodingEnvConfig
 from composer_jax.envs.monitor import MonitorConfig
-from composer_jax.envs.protocol import FORMATS
 from composer_jax.envs.rewards import RewardConfig
 from composer_jax.envs.tools import TOOL_NAMES
 from composer_jax.envs.toy import FAMILIES
+from composer_jax.model_dirs import Chat, ModelSource, run_chat, run_chat_setup, source_for
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.sampler import SamplerConfig
 from composer_jax.train.config import CheckpointConfig, load_config_with_model
@@ -84,7 +85,9 @@ class EnvConfig:
     """The environment and its training / held-out tasks."""
 
     kind: Literal["toy", "coding"] = "toy"
-    format: str = "plain"           # tool-call format (plain: <tool_call> text for byte-level models)
+    # chat / tool-call format: plain, kimi; "": init_from's, else kimi when the tokenizer has Kimi's markers
+    # as single tokens, else plain
+    format: Literal["", "plain", "kimi"] = ""
     family: str = "add"             # toy: add, copy or reverse
     length: int = 3                 # toy: letters per word
     use_tool: bool = False          # toy: answer through a `submit` tool call
@@ -95,21 +98,22 @@ class EnvConfig:
     repo: str = ""                  # coding without tasks_dir: make tasks from this repository (feature deletion) in RUN_DIR/tasks
     max_tasks: int = 20             # coding with repo: tasks to make (the last eval_tasks of them are held out)
     max_turns: int = 4              # coding: assistant turns per episode
-    tools: tuple[str, ...] = TOOL_NAMES  # coding: the tools declared to the agent (must include submit)
-    max_output_chars: int = 4000    # coding: a tool result is cut to this many characters
+    # coding: the tools declared to the agent (must include submit); []: the ones init_from was trained
+    # with, else all
+    tools: tuple[str, ...] = ()
+    max_output_chars: int = 0       # coding: a tool result is cut to this many characters (0: init_from's, else 4000)
 
     def __post_init__(self):
-        if self.format not in FORMATS:
-            raise ConfigError("format", f"must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if self.family not in FAMILIES:
             raise ConfigError("family", f"must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        for name in ("length", "tasks", "max_turns", "max_output_chars"):
+        for name in ("length", "tasks", "max_turns"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.eval_tasks < 0:
-            raise ConfigError("eval_tasks", f"must be >= 0, got {self.eval_tasks}")
+        for name in ("eval_tasks", "max_output_chars"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         try:
-            CodingEnvConfig(tools=self.tools)
+            CodingEnvConfig(tools=self.tools or TOOL_NAMES)
         except ValueError as e:
             raise ConfigError("tools", str(e).split(": ", 1)[-1]) from None
         if self.kind == "coding" and not (self.tasks_dir or self.repo):
@@ -117,27 +121,20 @@ class EnvConfig:
                                            "feature-deletion REPO OUT) or a repository to make tasks from (env.repo)")
 
     def coding(self) -> CodingEnvConfig:
-        """The coding environment's settings."""
-        return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars, tools=self.tools)
+        """The coding environment's settings (unset tools and output limit: the environment's defaults)."""
+        default = CodingEnvConfig()
+        return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars or
+                               default.max_output_chars, tools=self.tools or default.tools)
 
-
-@dataclasses.dataclass(frozen=True)
-class WarmStartConfig:
-    """Supervised steps on demonstrations before RL (toy tasks): a random model's chance reward is ~0."""
-
-    steps: int = 0                  # 0: none
-    lr: float = 3e-3
-    batch_size: int = 32            # demonstrations per step
-    tasks: int = 256                # demonstration tasks (drawn with their own seed)
-    # share of the demonstration rows shown after the hint targeted feedback's teacher sees for a mistake
-    # (no call; a call cut short): a small model then follows hints, so its hinted teacher is competent
-    hint_share: float = 0.0
-
-    def __post_init__(self):
-        if self.steps < 0 or self.batch_size <= 0 or self.tasks <= 0 or self.lr <= 0:
-            raise ConfigError("steps", "steps must be >= 0; batch_size, tasks and lr > 0")
-        if not 0 <= self.hint_share < 1:
-            raise ConfigError("hint_share", f"must be in [0, 1), got {self.hint_share}")
+    def agent(self, rollout: RolloutConfig) -> dict:
+        """The agent settings a run records (model_dirs.AGENT_KEYS): what `eval` of the run uses."""
+        sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
+                    "max_new_tokens": rollout.max_new_tokens}
+        if self.kind != "coding":
+            return sampling
+        coding = self.coding()
+        return {"tools": list(coding.tools), "max_output_chars": coding.max_output_chars, "max_turns": self.max_turns,
+                **sampling}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +148,8 @@ class EvalSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RLRunConfig:
+    SOURCE_KEY = "init_from"        # the model source a run starts from (train.config.load_config_with_model)
+
     model: ModelConfig
     mesh: MeshConfig = MeshConfig()
     rl: RLConfig = RLConfig()       # the fused step; rl.steps is the run's length, rl.max_staleness its lag bound
@@ -159,9 +158,12 @@ class RLRunConfig:
     rewards: RewardConfig = RewardConfig()
     sampler: SamplerConfig = SamplerConfig()
     monitor: MonitorConfig = MonitorConfig()
-    warm_start: WarmStartConfig = WarmStartConfig()
     eval: EvalSettings = EvalSettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    # the policy RL starts from: a Hugging Face, converted or run directory (an SFT run's latest checkpoint);
+    # also the KL reference and the fixed self-distillation teacher. "": a fresh model of `model`
+    init_from: str = ""
+    tokenizer: str = ""             # "byte", a tokenizer.json / tiktoken file; "": init_from's, else byte
     seed: int = 0                   # model initialisation and rollout sampling
     cpu_devices: int = 8            # fake host devices for CPU runs (set before JAX starts)
     progress: bool = True           # the progress bar (stderr)
@@ -172,6 +174,8 @@ class RLRunConfig:
             raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories per step are not a whole "
                                                     f"number of groups of rl.group_size={self.rl.group_size}")
         check_fits_model("rollout.max_len", self.rollout.max_len, self.model)
+        if self.rl.sd_coef > 0 and self.rollout.feedback_slots:   # a teacher slot is a sequence of its own
+            check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
 
@@ -203,9 +207,6 @@ class RLRunConfig:
             raise ConfigError("env.tasks_dir", f"{n} learner processes would each make the coding tasks in RUN_DIR/"
                                                "tasks: make them once (`composer-jax tasks feature-deletion`) and set "
                                                "env.tasks_dir")
-        if self.warm_start.steps and self.warm_start.batch_size % n:
-            raise ConfigError("warm_start.batch_size", f"{self.warm_start.batch_size} rows do not split over {n} "
-                                                       "processes")
 
 
 def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
@@ -213,17 +214,15 @@ def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
     task paths made absolute."""
     cfg = load_config_with_model(RLRunConfig, path_or_name, overrides)
     absolute = lambda p: str(Path(p).expanduser().absolute()) if p else p  # noqa: E731
-    repo = cfg.env.repo
-    if repo and not Path(repo).expanduser().exists() and (CONFIG_DIR / repo).is_dir():   # shipped with the configs
-        repo = str(CONFIG_DIR / repo)
     env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir),
-                              repo=absolute(repo))
+                              repo=shipped_path(cfg.env.repo))
     rollout = cfg.rollout
     if rollout.transport == "directory":
         exchange = absolute(rollout.exchange_dir) or str(Path(absolute(cfg.run_dir)) / "exchange")
         _check_writable(exchange, must_exist=bool(rollout.exchange_dir))
         rollout = dataclasses.replace(rollout, exchange_dir=exchange)
-    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env, rollout=rollout)
+    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env, rollout=rollout,
+                               init_from=absolute(cfg.init_from), tokenizer=shipped_path(cfg.tokenizer))
 
 
 def _check_writable(directory: str, must_exist: bool) -> None:
@@ -237,3 +236,28 @@ def _check_writable(directory: str, must_exist: bool) -> None:
         path = path.parent
     if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError("rollout.exchange_dir", f"{path}: not a writable directory")
+
+
+@dataclasses.dataclass
+class RLSetup:
+    """What an RL run (the learner or an engine) resolves from its config and its source."""
+
+    cfg: RLRunConfig                # env.format, env.tools and env.max_output_chars filled in (from the source)
+    source: ModelSource | None      # init_from, opened (configs only)
+    chat: Chat                      # the run's tokenizer, format and agent settings (RUN_DIR/chat.json)
+    tokenizer: Tokenizer
+
+
+def resolve_run(cfg: RLRunConfig) -> RLSetup:
+    """The run's source, chat and tokenizer: a run directory that recorded its chat keeps it; unset env
+    settings (format, tools, tool-output limit) come from the source's agent settings. Errors name the key:
+    a source that is not a model, a tokenizer larger than the model's vocabulary, a format it cannot express."""
+    source = source_for(cfg.init_from, "init_from") if cfg.init_from else None
+    recorded = Path(cfg.run_dir) if run_chat(cfg.run_dir) is not None else None
+    chat, tokenizer, _ = run_chat_setup(recorded, source, cfg.tokenizer, cfg.env.format, {}, cfg.model.vocab_size,
+                                        ("tokenizer", "env.format"))
+    agent = chat.agent
+    env = dataclasses.replace(cfg.env, format=chat.format, tools=cfg.env.tools or tuple(agent.get("tools") or ()),
+                              max_output_chars=cfg.env.max_output_chars or int(agent.get("max_output_chars") or 0))
+    cfg = dataclasses.replace(cfg, env=env)
+    return RLSetup(cfg, source, dataclasses.replace(chat, agent=env.agent(cfg.rollout)), tokenizer)

@@ -1,7 +1,7 @@
 """The RL run's environment and task sets: training tasks (by id, for the sampler), held-out tasks (for
-the periodic pass@1, run by `composer_jax.eval.evaluate`), the warm start's demonstration tasks and a
-factory of fresh environments. Coding tasks come from a task directory, or are made once from a
-repository by feature deletion (`composer-jax tasks feature-deletion`) into RUN_DIR/tasks."""
+the periodic pass@1, run by `composer_jax.eval.evaluate`) and a factory of fresh environments. Coding
+tasks come from a task directory, or are made once from a repository by feature deletion
+(`composer-jax tasks feature-deletion`) into RUN_DIR/tasks."""
 
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ class TaskSets:
     held_out: list                      # tasks for the periodic evaluation (may be empty)
     make_env: Callable[[], object]      # a fresh environment for one episode
     workspace: str                      # where the environment's commands see the repository (monitor)
-    demos: list = dataclasses.field(default_factory=list)   # the warm start's tasks (env.demonstration(task))
 
 
-def toy_task_sets(cfg: EnvConfig, seed: int, demos: int = 0) -> TaskSets:
+def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
     fmt = get_format(cfg.format)
     train = toy_tasks(cfg.family, cfg.tasks, seed=seed, length=cfg.length)
     seen = {t.prompt for t in train}
@@ -33,8 +32,7 @@ def toy_task_sets(cfg: EnvConfig, seed: int, demos: int = 0) -> TaskSets:
     unique = {}
     for task in train:                  # the same prompt drawn twice is one task
         unique.setdefault(task.prompt, task)
-    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace",
-                    toy_tasks(cfg.family, demos, seed=seed + 2, length=cfg.length))
+    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace")
 
 
 def _coding_tasks(directory: str, key: str) -> list:
@@ -75,14 +73,13 @@ def coding_task_sets(cfg: EnvConfig, run_dir: Path, seed: int) -> TaskSets:
         train, held_out = made[:split], made[split:]
     sandbox = Sandbox()
     make_env = coding_env(sandbox, get_format(cfg.format), cfg.coding())
-    return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace", train)
+    return TaskSets({t.id: t for t in train}, held_out, make_env, sandbox.workspace_path or "/workspace")
 
 
-def task_sets(cfg: EnvConfig, seed: int, run_dir: str | Path, demos: int = 0) -> TaskSets:
-    """The task sets `cfg` describes (`demos`: toy demonstration tasks for the warm start); a coding task
-    directory without tasks is a ConfigError naming it."""
+def task_sets(cfg: EnvConfig, seed: int, run_dir: str | Path) -> TaskSets:
+    """The task sets `cfg` describes; a coding task directory without tasks is a ConfigError naming it."""
     if cfg.kind == "coding":
         if cfg.tasks_dir and not Path(cfg.tasks_dir).is_dir():
             raise ConfigError("env.tasks_dir", f"{cfg.tasks_dir}: does not exist or is not a directory")
         return coding_task_sets(cfg, Path(run_dir), seed)
-    return toy_task_sets(cfg, seed, demos)
+    return toy_task_sets(cfg, seed)

@@ -56,11 +56,15 @@ class FeatureDeletionConfig:
     min_lines: int = 3                   # lines of code a deletion removes, at least
     max_target_fraction: float = 0.5     # run by more of the passing tests, a definition is not specific
     backend: str = "bwrap"
+    held_out: int = 0                    # the last kept tasks (by id) go to OUT_DIR/held-out/: for evaluation only
 
     def __post_init__(self):
         for name in ("max_tasks", "workers", "min_lines", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise FeatureDeletionError(f"feature deletion setting '{name}' must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.held_out < self.max_tasks:
+            raise FeatureDeletionError(f"feature deletion setting 'held_out' must be in [0, max_tasks={self.max_tasks}), "
+                                       f"got {self.held_out}")
         if not 0 < self.max_target_fraction <= 1:
             raise FeatureDeletionError(f"feature deletion setting 'max_target_fraction' must be in (0, 1], got "
                                        f"{self.max_target_fraction}")
@@ -241,8 +245,23 @@ def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDel
                        max(MIN_TASK_TIMEOUT_S, math.ceil(TASK_TIMEOUT_FACTOR * baseline.seconds)))
         outcomes = _try_all(candidates, ctx, config, out, log)
     report = _report(repo, command, config, baseline, candidates, skipped, outcomes, time.monotonic() - start)
+    report["held_out"] = _hold_out(out, sorted(t["id"] for t in report["tasks"]), config.held_out)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return report
+
+
+HELD_OUT = "held-out"
+
+
+def _hold_out(out: Path, ids: list[str], count: int) -> list[str]:
+    """Move the last `count` of the kept tasks `ids` into OUT_DIR/held-out/ (a task directory of its own,
+    which loading OUT_DIR does not see: train on OUT_DIR, evaluate on OUT_DIR/held-out); their ids."""
+    held = ids[len(ids) - count:] if count and len(ids) > count else []
+    if held:
+        (out / HELD_OUT).mkdir()
+        for task_id in held:
+            shutil.move(out / task_id, out / HELD_OUT / task_id)
+    return held
 
 
 def _counts(counter: Counter) -> str:
@@ -276,4 +295,5 @@ def summary(report: dict) -> str:
     candidates = f"candidates: {report['candidates']} (not candidates: {_counts(Counter(report['not_candidates']))})"
     tried = (f"tried {report['tried']}: kept {report['kept']}, rejected {rejected} "
              f"({_counts(Counter(report['rejected']))}); {report['seconds']} s")
-    return f"{baseline}\n{candidates}\n{tried}"
+    held = report.get("held_out") or []
+    return f"{baseline}\n{candidates}\n{tried}" + (f"\nheld out in {HELD_OUT}/: {', '.join(held)}" if held else "")

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.data.errors import DataError
 from composer_jax.data.pipeline import build_dataset
 from composer_jax.data.sources import SkipLog
-from composer_jax.data.tokenizer import load_tokenizer
+from composer_jax.data.chat import ChatFormat
+from composer_jax.data.tokenizer import Tokenizer
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.train.config import RunConfig
@@ -22,18 +23,15 @@ from composer_jax.train.config import RunConfig
 class Batches:
     """Train batches int32[grad_accum, micro_batch, seq] and held-out batches [batch, seq], on device."""
 
-    def __init__(self, cfg: RunConfig, dual: DualMesh):
+    def __init__(self, cfg: RunConfig, dual: DualMesh, tokenizer: Tokenizer, fmt: ChatFormat):
         self.cfg = cfg
         tc = cfg.train
         self.train_sharding = NamedSharding(dual.dense, P(None, BATCH_AXES))
         self.eval_sharding = NamedSharding(dual.dense, P(BATCH_AXES))
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise DataError(f"tokenizer {self.tokenizer.name} has {self.tokenizer.vocab_size} ids, more than the "
-                            f"model's vocab_size={cfg.model.vocab_size}")
+        self.tokenizer = tokenizer
         self.skips = SkipLog()
         per_process = dict(shard_index=jax.process_index(), shard_count=jax.process_count(),
-                           batch_size=tc.batch_size // jax.process_count(), seq_len=tc.seq_len)
+                           batch_size=tc.batch_size // jax.process_count(), seq_len=tc.seq_len, fmt=fmt)
         self.train_data = build_dataset(cfg.data, self.tokenizer, split="train", repeat=True, skips=self.skips,
                                         **per_process)
         self.eval_data = None

@@ -15,7 +15,7 @@ from typing import Literal
 
 from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, check_fits_model,
                                  command_line_overrides, from_dict, override_origin, parse_override, read_yaml,
-                                 resolve_config_path)
+                                 resolve_config_path, shipped_path)
 from composer_jax.data.config import DataConfig
 
 
@@ -24,7 +24,7 @@ class OptimizerConfig:
     """The optimizer and its warmup-stable-decay (WSD) learning-rate schedule."""
 
     name: Literal["adamw", "muon"] = "adamw"   # muon: Muon for matrices, AdamW for the rest
-    lr: float = 3e-3                  # peak learning rate (after warmup)
+    lr: float = 3e-3                  # peak learning rate (after warmup); 0 changes no weight
     warmup_steps: int = 20            # linear warmup from 0
     decay_fraction: float = 0.2       # the last fraction of the steps decays to lr * min_lr_ratio
     decay_shape: Literal["linear", "cosine"] = "linear"   # how the rate falls over the decay fraction
@@ -43,8 +43,8 @@ class OptimizerConfig:
     schedule_end: int = 0             # 0 = train.steps
 
     def __post_init__(self):
-        if self.lr <= 0:
-            raise ConfigError("lr", f"must be > 0, got {self.lr}")
+        if self.lr < 0:
+            raise ConfigError("lr", f"must be >= 0 (0: a pass that changes no weight), got {self.lr}")
         if self.warmup_steps < 0:
             raise ConfigError("warmup_steps", "must be >= 0")
         if not 0 <= self.decay_fraction <= 1:
@@ -90,7 +90,9 @@ class TrainConfig:
     num_devices: int = 0              # devices to use; 0 = all
     cpu_devices: int = 8              # fake host devices for CPU runs (set before JAX starts)
     seed: int = 0                     # model initialisation
-    init_from: str = ""               # a run directory whose latest checkpoint seeds the params (phase 2, SFT)
+    # the model the run starts from: a Hugging Face, converted or run directory (its latest checkpoint); the
+    # run takes its architecture, tokenizer and chat format
+    init_from: str = ""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "loss_chunk", "log_every", "eval_every",
@@ -104,13 +106,43 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """The agent settings a run records for its model (RUN_DIR/chat.json): what `composer-jax eval` and
+    `generate` of the run use unless told otherwise, and what RL started from it inherits. Unset (null):
+    the source's (train.init_from), if it recorded any."""
+
+    tools: tuple[str, ...] | None = None      # the tools declared to the agent (as in the SFT data)
+    max_output_chars: int | None = None       # a tool result is cut to this many characters
+    max_turns: int | None = None              # assistant turns per episode
+    temperature: float | None = None          # sampling
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None         # tokens per assistant turn
+
+    def __post_init__(self):
+        for name in ("max_output_chars", "max_turns", "max_new_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.tools is not None:
+            from composer_jax.envs.tools import TOOL_NAMES
+
+            unknown = [t for t in self.tools if t not in TOOL_NAMES]
+            if unknown or "submit" not in self.tools:
+                raise ConfigError("tools", f"unknown tool {unknown[0]!r}; the tools are {', '.join(TOOL_NAMES)}"
+                                  if unknown else "must include submit (the agent ends its episode with it)")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
+    SOURCE_KEY = "train.init_from"    # the model source a run starts from (load_config_with_model)
+
     model: ModelConfig
     mesh: MeshConfig = MeshConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    agent: AgentConfig = AgentConfig()
     run_dir: str = "runs/default"     # where the run writes everything; relative = to the current directory
 
     def __post_init__(self):
@@ -124,23 +156,26 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def resolve_run_paths(cfg: RunConfig) -> RunConfig:
-    """`run_dir` and `train.init_from` as absolute paths (`~` expanded, relative ones against the current
-    directory), so a resolved config means the same wherever it is read."""
-    def absolute(path: str) -> str:
-        return str(Path(path).expanduser().absolute()) if path else path
+    """`run_dir`, `train.init_from`, `data.path` and `data.tokenizer` as absolute paths (`~` expanded,
+    relative ones against the current directory or shipped with the configs), so a resolved config means
+    the same wherever it is read."""
+    data = dataclasses.replace(cfg.data, tokenizer=shipped_path(cfg.data.tokenizer),
+                               path=cfg.data.path if cfg.data.path == "stdlib" else shipped_path(cfg.data.path))
+    return dataclasses.replace(cfg, run_dir=shipped_path(cfg.run_dir), data=data,
+                               train=dataclasses.replace(cfg.train, init_from=shipped_path(cfg.train.init_from)))
 
-    return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir),
-                               train=dataclasses.replace(cfg.train, init_from=absolute(cfg.train.init_from)))
+
+RUN_SECTIONS = ("model", "train", "data", "rl", "rollout", "env", "init_from", "run_dir")
 
 
 def is_run_config(path_or_name: str | Path) -> bool:
-    """Whether `path_or_name` is a run config: a bundled one, or a YAML file with a `model` key (model
-    configs have none)."""
+    """Whether `path_or_name` is a run config: a bundled one, or a YAML file with a run's section (a
+    model, given or taken from a source; model configs have none)."""
     try:
         path = resolve_config_path(path_or_name, kind="run")
     except FileNotFoundError:
         return False
-    return "model" in read_yaml(path)
+    return any(str(k).split(".")[0] in RUN_SECTIONS for k in read_yaml(path))
 
 
 def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
@@ -149,10 +184,30 @@ def load_run_config(path_or_name: str | Path, overrides=()) -> RunConfig:
     return resolve_run_paths(load_config_with_model(RunConfig, path_or_name, overrides))
 
 
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _dotted(data: dict, key: str):
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
 def load_config_with_model(cls: type, path_or_name: str | Path, overrides=()):
-    """A run-like config `cls` (with a `model` field) from a YAML path or a bundled run config name:
-    the named model inlined, dotted keys in the file and then `overrides` applied, validated; a
-    ConfigError says where its key was set."""
+    """A run-like config `cls` (with a `model` field and a `SOURCE_KEY`, the dotted key naming the model
+    source it starts from) from a YAML path or a bundled run config name: the named model inlined, dotted
+    keys in the file and then `overrides` applied, validated; a ConfigError says where its key was set.
+
+    Without `model`, the architecture is the source's (its `model.*` overrides applied on top); with
+    either, a model that differs from the source's architecture (`config.check_architecture`) is an
+    error naming the key and the source's value."""
+    from composer_jax.config import check_architecture
+    from composer_jax.model_dirs import source_model
+
     path = resolve_config_path(path_or_name, kind="run")
     data = read_yaml(path)
     command_line = command_line_overrides(overrides)
@@ -163,13 +218,25 @@ def load_config_with_model(cls: type, path_or_name: str | Path, overrides=()):
         for key, value in overrides:
             if key == "model":
                 data["model"] = value
-        if "model" not in data:
-            raise ConfigError("model", "required key is missing")
-        if isinstance(data["model"], str):
+        explicit = "model" in data
+        if explicit and isinstance(data["model"], str):
             try:
                 data["model"] = read_yaml(resolve_config_path(data["model"], kind="model"))
             except FileNotFoundError as e:
                 raise ConfigError("model", str(e)) from None
-        return from_dict(cls, apply_overrides(cls, data, {k: v for k, v in overrides if k != "model"}))
+        data.setdefault("model", {})
+        apply_overrides(cls, data, {k: v for k, v in overrides if k != "model"})
+        source = None
+        if _dotted(data, cls.SOURCE_KEY):
+            base, source = source_model(str(_dotted(data, cls.SOURCE_KEY)), cls.SOURCE_KEY)
+            if not explicit:
+                data["model"] = _deep_merge(base, data["model"])
+        elif not explicit:
+            raise ConfigError("model", f"required key is missing (give a model, or {cls.SOURCE_KEY}: a model source "
+                                       "whose architecture the run takes)")
+        cfg = from_dict(cls, data)
+        if source is not None:
+            check_architecture(cfg.model, source.model, where=str(source.path))
+        return cfg
     except ConfigError as e:
         raise override_origin(e, path, command_line) from None

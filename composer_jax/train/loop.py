@@ -31,6 +31,8 @@ import yaml
 
 from composer_jax.config import ConfigError
 from composer_jax.data.sources import resolve_root
+from composer_jax.model_dirs import run_chat_setup, source_for, write_chat
+from composer_jax.source_weights import load_state
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.distributed import any_process, process_major_devices
@@ -81,15 +83,20 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
         try:
             self.resumed_from = self.checkpoints.latest_step()
+            self.source = None
             if self.resumed_from is not None:
                 cfg, change = schedule_on_resume(cfg, self.checkpoints.config(self.resumed_from), self.resumed_from)
                 if change:
                     log.info(change)
             elif cfg.train.init_from:
-                self._init_source(cfg).close()  # fail before the slow set-up below if there is nothing to start from
+                self.source = source_for(cfg.train.init_from, "train.init_from")
             self.cfg = cfg
+            self.chat, tokenizer, fmt = run_chat_setup(
+                self.run_dir if self.resumed_from is not None else None, self.source, cfg.data.tokenizer,
+                cfg.data.chat_format, dataclasses.asdict(cfg.agent), cfg.model.vocab_size,
+                ("data.tokenizer", "data.chat_format"))
             self.dual = make_mesh(cfg)
-            self.batches = Batches(cfg, self.dual)
+            self.batches = Batches(cfg, self.dual, tokenizer, fmt)
             self.layout = layout = StateLayout(cfg, self.dual)
             self.step_fn = jax.jit(step_lib.make_train_step(cfg, layout.graphdef, layout.rest, layout.opt),
                                    donate_argnums=0)
@@ -111,25 +118,12 @@ class Trainer:
             return self._load_init_params()
         return self.layout.fresh()
 
-    @staticmethod
-    def _init_source(cfg: RunConfig) -> RunCheckpoints:
-        """The checkpoints of `train.init_from` (open: close them), or a ConfigError if it has none."""
-        source = RunCheckpoints(Path(cfg.train.init_from) / "checkpoints")
-        if source.latest_step() is None:
-            source.close()
-            raise ConfigError("train.init_from", f"no complete checkpoint in {source.directory}: train that run "
-                                                 "first, or point train.init_from at a run directory")
-        return source
-
     def _load_init_params(self) -> TrainState:
-        """Params and router biases from `train.init_from`'s latest checkpoint; fresh optimizer and step."""
-        source = self._init_source(self.cfg)
-        try:
-            source.check_model(self.layout.abstract, "train.init_from")
-            params, biases = source.restore_model(self.layout.abstract)
-        finally:
-            source.close()
-        log.info("initialised params from %s", source.directory)
+        """Params and router biases from `train.init_from` (streamed into their shards); fresh optimizer and step."""
+        abstract = self.layout.abstract
+        params, biases = load_state(self.source, self.cfg.model, abstract.params, abstract.biases,
+                                    seed=self.cfg.train.seed)
+        log.info("initialised params from %s", self.source.description)
         return self.layout.from_params(params, biases)
 
     def evaluate(self) -> dict:
@@ -153,6 +147,7 @@ class Trainer:
         if jax.process_index() != 0:
             return metrics_lib.MetricsWriter(None)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        write_chat(self.run_dir, self.chat, self.batches.tokenizer)   # the run opens as a model source
         writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
         if writer.dropped:
             where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.checkpoint.manager import abstract_like
-from composer_jax.model import CausalLM
-from composer_jax.model.layers import RouterBias
+from composer_jax.model import CausalLM, split_model
 from composer_jax.parallel import DualMesh, param_shardings, state_shardings
 from composer_jax.train.config import RunConfig
 from composer_jax.train.optimizer import Optimizer, make_optimizer
@@ -28,11 +27,6 @@ class TrainState(NamedTuple):
     biases: nnx.State        # RouterBias leaves [layers, experts] (load-balancing, not optimized)
     opt_state: object        # the optimizer's state (its leaves on their parameters' meshes)
     skipped: jax.Array       # int32[]: steps skipped by the finite guard
-
-
-def split_model(model: CausalLM):
-    """(graphdef, params, biases, rest) of a model; `rest` holds any other variables (none today)."""
-    return nnx.split(model, nnx.Param, RouterBias, ...)
 
 
 def abstract_model_parts(cfg: RunConfig, dual: DualMesh | None = None):

@@ -1,4 +1,4 @@
-"""Small text utilities: the repository `configs/rl-coding-tiny.yaml` makes feature-deletion tasks from."""
+"""Small text utilities: the repository the tiny recipe makes its coding tasks from (feature deletion)."""
 
 
 def word_count(text):
@@ -36,3 +36,60 @@ def truncate(text, width):
     if len(text) <= width:
         return text
     return text[:max(width - 3, 0)] + "..."
+
+
+def reverse_words(text):
+    """The words of `text` in reverse order, joined by single spaces."""
+    words = text.split()
+    words.reverse()
+    return " ".join(words)
+
+
+def count_vowels(text):
+    """The number of vowels (a, e, i, o, u, either case) in `text`."""
+    total = 0
+    for c in text.lower():
+        if c in "aeiou":
+            total += 1
+    return total
+
+
+def slugify(text):
+    """`text` lower-cased, its words joined by '-': 'Hello Big World' -> 'hello-big-world'."""
+    words = text.lower().split()
+    slug = "-".join(words)
+    return slug
+
+
+def longest_word(text):
+    """The first of the longest words of `text` ('' when it has none)."""
+    best = ""
+    for word in text.split():
+        if len(word) > len(best):
+            best = word
+    return best
+
+
+def initials(text):
+    """The upper-cased first letters of the words of `text`: 'ada lovelace' -> 'AL'."""
+    letters = [word[0] for word in text.split()]
+    joined = "".join(letters)
+    return joined.upper()
+
+
+def unique_words(text):
+    """The words of `text` without repeats, in the order they first appear."""
+    seen, out = set(), []
+    for word in text.split():
+        if word not in seen:
+            seen.add(word)
+            out.append(word)
+    return out
+
+
+def strip_punctuation(text):
+    """`text` without the characters of string.punctuation."""
+    import string
+
+    kept = [c for c in text if c not in string.punctuation]
+    return "".join(kept)

@@ -1,0 +1,190 @@
+"""Model sources (composer_jax.model_dirs, composer_jax.source_weights): any phase starts from a Hugging Face,
+converted or run directory, takes its architecture, tokenizer and chat format, and streams its weights into
+their shards; bad sources are one-line errors that name the culprit and write nothing."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from composer_jax import config, load_config
+from composer_jax.checkpoint.hf import from_pretrained
+from composer_jax.cli import main
+from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig
+from composer_jax.model_dirs import open_source
+from composer_jax.parallel import DualMesh
+from composer_jax.train.config import load_run_config
+from composer_jax.train.loop import Trainer
+from tests.hf_reference import save_random_hf_model
+
+TINY_BPE = CONFIG_DIR / "tokenizers" / "tiny-bpe"
+FAST = ["train.steps=1", "train.batch_size=8", "train.seq_len=64", "train.eval_every=1000", "train.log_every=1",
+        "data.eval_fraction=0", "train.progress=false", "optimizer.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny DeepSeek-V3 saved by transformers (float32, no MTP, a 4096-id vocabulary) with the shipped BPE
+    tokenizer beside it, and the transformers model."""
+    path = tmp_path_factory.mktemp("hf")
+    cfg = config.replace(load_config("tiny"), **{"mtp.num_layers": 0, "vocab_size": 4096})
+    model = save_random_hf_model(cfg, path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(TINY_BPE / name, path / name)
+    return path, model
+
+
+def _run_yaml(tmp_path, source, **sections) -> str:
+    """A run config that names no model: the architecture is the source's."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"init_from": str(source), "seq_len": 64},
+                                    "run_dir": str(tmp_path / "run"), **sections}))
+    return str(path)
+
+
+def test_pretraining_from_a_transformers_checkpoint_starts_at_its_loss(hf_dir, tmp_path):
+    """The first step's loss equals transformers' cross-entropy on the same batch (float32, 1e-5)."""
+    path, hf = hf_dir
+    cfg = load_run_config(_run_yaml(tmp_path, path), FAST)
+    assert cfg.model.vocab_size == 4096 and cfg.model.mtp.num_layers == 0 and cfg.data.tokenizer == ""
+    trainer = Trainer(cfg)
+    batch = trainer.batches.next()
+    with trainer.dual:
+        _, metrics = trainer.step_fn(trainer.state, batch)
+    tokens, segments, mask = (np.asarray(batch[k])[0] for k in ("tokens", "segment_ids", "loss_mask"))
+    total, count = 0.0, 0
+    for row in range(tokens.shape[0]):
+        for s in np.unique(segments[row][segments[row] > 0]):   # each packed document on its own
+            ids, targets = tokens[row][segments[row] == s], mask[row][segments[row] == s]
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.as_tensor(ids[None])).logits[0].double(), -1).numpy()
+            picked = targets[1:].astype(bool)
+            total -= logp[np.arange(len(ids) - 1)[picked], ids[1:][picked]].sum()
+            count += int(picked.sum())
+    assert float(metrics["loss"]) == pytest.approx(total / count, rel=1e-5)
+    assert trainer.batches.tokenizer.name == str(path / "tokenizer.json")   # the source's tokenizer
+    trainer.checkpoints.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 0])   # 0: every stacked leaf one layer at a time
+def test_streamed_weights_on_the_dual_grid_equal_from_pretrained(hf_dir, chunk_bytes):
+    """Each leaf read in its devices' slices onto fsdp=4 x cp=2 / ep=8 equals transformers-checked
+    `from_pretrained` bit for bit; an MTP depth the source lacks is initialised as `from_pretrained` does
+    (the same initialisers and seed, jitted onto its shards: equal to float32 rounding)."""
+    from flax import nnx
+
+    from composer_jax.checkpoint.manager import abstract_like
+    from composer_jax.model import CausalLM
+    from composer_jax.parallel import param_shardings
+    from composer_jax.source_weights import load_state
+    from composer_jax.train.state import split_model
+
+    path, _ = hf_dir
+    source = open_source(path)
+    cfg = config.replace(source.model, **{"mtp.num_layers": 1})
+    dual = DualMesh(MeshConfig(fsdp=4, cp=2, ep=8), jax.devices(), model=cfg)
+    _, params, biases, _ = split_model(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+    params, biases = (abstract_like(t, param_shardings(t, dual)) for t in (params, biases))
+    loaded = load_state(source, cfg, params, biases, seed=0, chunk_bytes=chunk_bytes)
+    reference = split_model(from_pretrained(path, ["mtp.num_layers=1"]))[1:3]
+    flat = jax.tree_util.tree_flatten_with_path(loaded)[0]
+    for (where, ours), theirs, abstract in zip(flat, jax.tree.leaves(reference),
+                                               jax.tree.leaves(params) + jax.tree.leaves(biases)):
+        assert ours.sharding == abstract.sharding and ours.dtype == abstract.dtype
+        if "mtp" in jax.tree_util.keystr(where):
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-8)
+        else:
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert len(jax.tree.leaves(loaded)) == len(jax.tree.leaves(reference))
+
+
+def test_config_takes_the_sources_architecture_and_refuses_to_change_it(hf_dir, tmp_path, capsys):
+    path, _ = hf_dir
+    run = _run_yaml(tmp_path, path)
+    # runtime keys change: dispatch, attention, capacity, RoPE scaling, MTP depths the source lacks
+    cfg = load_run_config(run, ["model.moe.dispatch=dense", "model.rope.factor=8", "model.rope.max_position_embeddings=256",
+                                "model.mtp.num_layers=1", "model.attention=blockwise"])
+    assert (cfg.model.hidden_size, cfg.model.moe.dispatch, cfg.model.rope.factor, cfg.model.mtp.num_layers) == \
+        (64, "dense", 8.0, 1)
+    assert main(["config", "show", run]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["model"]["vocab_size"] == 4096 and shown["model"]["mla"]["kv_lora_rank"] == 32
+    assert main(["config", "show", run, "model.hidden_size=128"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"composer-jax config: error: config key 'model.hidden_size': is 128, but the source {path} has 64: a run "
+        "keeps its source's architecture (it may change only moe.dispatch, moe.capacity_factor, moe.bias_update_rate, "
+        "attention, dtype, param_dtype, mtp.num_layers, mtp.loss_weight and rope.*) (command-line override "
+        "model.hidden_size=128)")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp / "missing", "{src} does not exist"),
+    (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty",
+     "{src} is not a model: it has no config.json (a Hugging Face directory), model_config.yaml (a converted "
+     "directory) or checkpoints/ (a run directory)"),
+    (lambda tmp: (tmp / "r" / "checkpoints").mkdir(parents=True) or tmp / "r",
+     "{src}: no complete checkpoint in {src}/checkpoints: train that run first"),
+])
+def test_a_source_that_is_not_a_model_is_one_line_and_writes_nothing(tmp_path, make, message):
+    src = make(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "composer_jax.cli", "pretrain", "pretrain-tiny",
+                             f"train.init_from={src}", f"run_dir={tmp_path / 'out'}"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"composer-jax pretrain: error: config key 'train.init_from': {message.format(src=src)} (command-line "
+        f"override train.init_from={src})"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_or_format_the_model_cannot_take_and_another_architecture_are_errors(hf_dir, tmp_path):
+    from tests.random_models import save_random_run
+
+    path, _ = hf_dir
+    byte_run = save_random_run(tmp_path / "byte-run")      # a run of another architecture: 256 ids
+    with pytest.raises(ConfigError, match=f"config key 'model.vocab_size': is 4096, but the source {byte_run} has 256"):
+        load_run_config("pretrain-tiny", [f"train.init_from={byte_run}"])
+    byte_model = load_run_config("pretrain-tiny", FAST + ["model.vocab_size=256", f"data.tokenizer={TINY_BPE}",
+                                                          f"run_dir={tmp_path / 'a'}"])
+    with pytest.raises(ConfigError, match=f"config key 'data.tokenizer': tokenizer {TINY_BPE}/tokenizer.json has 4096 "
+                                          "ids, more than the model's vocab_size=256"):
+        Trainer(byte_model)
+    kimi = load_run_config(_run_yaml(tmp_path, path), FAST + ["data.chat_format=kimi", f"run_dir={tmp_path / 'b'}"])
+    with pytest.raises(ConfigError, match="config key 'data.chat_format': chat format 'kimi' needs "
+                                          "<.tool_calls_section_begin.>"):
+        Trainer(kimi)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_plan_reports_the_loading_peak_of_a_k25_checkpoint_from_its_config_and_index(tmp_path, capsys):
+    """Kimi K2.5 in INT4 (config.json with text_config and an index, no weights) on 128 devices."""
+    from composer_jax.checkpoint.hf import plan_leaves
+    from composer_jax.checkpoint.hf_config import hf_config_from
+
+    k25 = load_config("kimi-k2.5")
+    text = hf_config_from(k25, "bfloat16") | {"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+            "weights": {"num_bits": 4, "group_size": 32, "symmetric": True, "type": "int", "strategy": "group"},
+            "targets": ["Linear"]}}, "ignore": ["lm_head"]}}
+    source = tmp_path / "k25"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
+                                                    "text_config": text}))
+    keys = [t.key for leaf in plan_leaves(k25, "language_model.") for t in leaf.plan.flat]
+    (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "x.safetensors" for k in keys}}))
+    run = tmp_path / "cpt.yaml"
+    run.write_text(yaml.safe_dump({"train": {"init_from": str(source), "seq_len": 32768, "batch_size": 32},
+                                   "mesh": {"fsdp": 32, "cp": 4, "ep": 128}}))
+    assert main(["plan", str(run), "--devices", "128", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    loading = json.loads((tmp_path / "plan.json").read_text())["loading"]
+    assert f"loading Hugging Face model {source}: peak" in out and loading["devices_per_host"] == 8
+    # one layer's routed gate weights on a host of 8 devices (24 of 384 experts, bf16), and one expert's rows
+    # dequantized to float32: a bounded peak, independent of the 61 layers
+    assert loading["leaf"].startswith("moe_layers.mlp.")
+    assert 0.5e9 < loading["bytes"] < 2e9, loading
