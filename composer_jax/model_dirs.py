@@ -100,7 +100,8 @@ def read_chat(directory: Path, tokenizer_dir: Path) -> Chat | None:
         data = json.loads(file.read_text())
         name = data.get("tokenizer", "byte")
         tokenizer = "byte" if name == "byte" else str(tokenizer_dir / name)
-        return Chat(tokenizer, data.get("format", ""), dict(data.get("agent") or {}))
+        agent = {k: v for k, v in (data.get("agent") or {}).items() if k in AGENT_KEYS}
+        return Chat(tokenizer, data.get("format", ""), agent)
     except (json.JSONDecodeError, AttributeError) as e:
         raise CheckpointError(f"{file}: not a readable chat record: {e}") from None
 
@@ -197,17 +198,20 @@ def open_source(path: str | Path, need_weights: bool = True) -> ModelSource:
                           "model_config.yaml (a converted directory) or checkpoints/ (a run directory)")
 
 
-def source_for(path: str | Path, key: str) -> ModelSource:
-    """`open_source(path)`, or a ConfigError(`key`) naming what is wrong when it is not a usable source."""
+def source_for(path: str | Path, key: str, hint: str = "") -> ModelSource:
+    """`open_source(path)`, or a ConfigError(`key`) naming what is wrong when it is not a usable source
+    (with `hint`, e.g. how to make it, when it does not exist)."""
     try:
         return open_source(path)
     except (CheckpointError, TokenizerError, OSError) as e:
-        raise ConfigError(key, str(e).splitlines()[0]) from None
+        message = str(e).splitlines()[0]
+        missing = not Path(path).expanduser().exists()
+        raise ConfigError(key, f"{message}: {hint}" if hint and missing else message) from None
 
 
-def source_model(path: str | Path, key: str) -> tuple[dict, ModelSource]:
+def source_model(path: str | Path, key: str, hint: str = "") -> tuple[dict, ModelSource]:
     """(the source's model config as a raw dict, the source) for config loading (see `source_for`)."""
-    source = source_for(path, key)
+    source = source_for(path, key, hint)
     return config_lib.to_dict(source.model), source
 
 

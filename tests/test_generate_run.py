@@ -37,3 +37,18 @@ def test_run_without_checkpoints_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == (f"composer-jax generate: error: {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}: "
                    "train that run first")
+
+
+def test_generate_samples_as_the_run_recorded(run_dir, tmp_path, capsys):
+    """A run's recorded agent settings (chat.json: greedy, 12 new tokens) are generate's defaults."""
+    import json
+    import shutil
+
+    run = shutil.copytree(run_dir, tmp_path / "run")
+    (run / "chat.json").write_text(json.dumps({"tokenizer": "byte", "format": "plain",
+                                               "agent": {"temperature": 0.0, "max_new_tokens": 12}}))
+    assert cli.main(["generate", str(run), "--prompt", PROMPT, "max_slots=1", "steps_per_call=16"]) == 0
+    out = capsys.readouterr().out
+    want = generate(open_model(run_dir).model, [list(ByteTokenizer().encode(PROMPT))], max_new_tokens=12,
+                    temperature=0.0)
+    assert out == ByteTokenizer().decode(want.tokens[0]).rstrip("\ufffd") + "\n"

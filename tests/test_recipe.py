@@ -148,7 +148,7 @@ def test_the_bundled_tiny_recipe_runs_phase_to_phase(tmp_path):
     _cli("pretrain", "long-context-tiny", *few, "train.batch_size=8", env=env)
     _cli("tasks", "feature-deletion", CONFIG_DIR / "repos" / "textkit", tasks, "--held-out", "4", env=env)
     _cli("tasks", "demos", tasks, demos, "--tools", "read_file,edit,run,submit", "--max-output-chars", "1000", env=env)
-    _cli("sft", *few, "train.batch_size=8", env=env)
+    _cli("sft", *few, env=env)
     _cli("rl", "rl-coding-tiny", "rl.steps=2", "eval.every=2", "progress=false", env=env)
     runs = cache / "runs"
     for run in ("pretrain-tiny", "long-context-tiny", "sft-tiny", "rl-coding-tiny"):

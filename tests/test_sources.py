@@ -188,3 +188,61 @@ def test_plan_reports_the_loading_peak_of_a_k25_checkpoint_from_its_config_and_i
     # dequantized to float32: a bounded peak, independent of the 61 layers
     assert loading["leaf"].startswith("moe_layers.mlp.")
     assert 0.5e9 < loading["bytes"] < 2e9, loading
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quantized_sources_dequantize_into_their_shards(tmp_path, fmt):
+    """K2.5-style INT4 experts and DeepSeek FP8 blocks, streamed onto fsdp=4 / ep=8 with small read blocks,
+    give `from_pretrained`'s dequantized weights (the whole-tensor read) bit for bit, cast to float32."""
+    from flax import nnx
+
+    from composer_jax.checkpoint.manager import abstract_like
+    from composer_jax.checkpoint.synthetic import write_synthetic_hf
+    from composer_jax.model import CausalLM, split_model
+    from composer_jax.parallel import param_shardings
+    from composer_jax.source_weights import load_state
+
+    cfg = load_config("tiny", ["mtp.num_layers=0", "hidden_size=128", "moe.moe_intermediate_size=128",
+                               "intermediate_size=256"])
+    write_synthetic_hf(tmp_path / "hf", cfg, fmt)
+    source = open_source(tmp_path / "hf")
+    assert source.quantized
+    run_cfg = config.replace(source.model, **{"param_dtype": "float32", "dtype": "float32"})
+    dual = DualMesh(MeshConfig(fsdp=4, cp=2, ep=8), jax.devices(), model=run_cfg)
+    _, params, biases, _ = split_model(nnx.eval_shape(lambda: CausalLM(run_cfg, rngs=nnx.Rngs(0))))
+    params, biases = (abstract_like(t, param_shardings(t, dual)) for t in (params, biases))
+    loaded = load_state(source, run_cfg, params, biases, chunk_bytes=1 << 20)
+    reference = split_model(from_pretrained(tmp_path / "hf", ["param_dtype=float32", "dtype=float32"]))[1:3]
+    for ours, theirs in zip(jax.tree.leaves(loaded), jax.tree.leaves(reference)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+
+
+def test_rl_from_a_transformers_checkpoint_speaks_its_tokenizer(hf_dir, tmp_path):
+    """`composer-jax rl init_from=<HF dir>`: the learner starts from its weights (the policy and the fixed
+    teacher), its episodes are in the HF tokenizer's ids (a prompt encodes as that tokenizer encodes the
+    environment's rendering) and the chat format follows the tokenizer."""
+    from flax import nnx
+    from tokenizers import Tokenizer
+
+    from composer_jax.envs import TokenEpisode, ToyEnv, get_format, toy_tasks
+    from composer_jax.rl.loop import RLTrainer
+    from composer_jax.rl.run_config import load_rl_config
+    from composer_jax.source_weights import open_model
+
+    path, _ = hf_dir
+    cfg = load_rl_config("rl-tiny", [f"init_from={path}", f"run_dir={tmp_path / 'rl'}", "rollout.max_len=64",
+                                     "rollout.feedback_window=64", "rl.sd_teacher=initial", "rl.teacher_context=full",
+                                     "rollout.transport=directory", "progress=false"])
+    trainer = RLTrainer(cfg)      # the directory transport: no in-process engine to build here
+    try:
+        assert trainer.tokenizer.name == str(path / "tokenizer.json") and trainer.cfg.env.format == "plain"
+        for ours, theirs in zip(jax.tree.leaves(trainer.rl_step.teacher_params),
+                                jax.tree.leaves(nnx.state(open_model(path).model, nnx.Param))):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+        task, fmt = toy_tasks("add", 1, seed=3)[0], get_format("plain")
+        prompt = TokenEpisode(ToyEnv(fmt), trainer.tokenizer).start(task)
+        rendered = "".join(fmt.message(m["role"], m["content"]) for m in ToyEnv(fmt).reset(task)) + fmt.generation_prompt()
+        assert prompt.tolist() == Tokenizer.from_file(str(path / "tokenizer.json")).encode(
+            rendered, add_special_tokens=False).ids
+    finally:
+        trainer.checkpoints.close()

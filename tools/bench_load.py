@@ -7,9 +7,10 @@ child process on --devices fake CPU devices (dual grid fsdp / ep over all of the
 getting the training state's parameters placed on the grid: a fresh random initialisation (the jitted
 init of `train.state.StateLayout.fresh`), and `source_weights.load_state` from the Hugging Face directory,
 the converted directory and the run directory. It also times reading the source's files at the disk's
-speed (the page cache dropped first when this process may, else as they are). The ratio reported per source
-is load time / (fresh time + bytes / read speed): at most 1 is the goal (a phase starting from the one
-before costs no more than building the model fresh plus reading its bytes).
+speed (the page cache dropped first when this process may, else as they are), and resuming the run (its whole
+checkpoint: parameters, optimizer state, step, router biases). The ratio reported is load time / (fresh time
++ bytes read / read speed): at most 1 is the goal (a phase starting from the one before, or resuming,
+costs no more than building the model fresh plus reading its bytes).
 
     python tools/bench_load.py --size-gb 1 --json bench_load.json
 """
@@ -37,24 +38,30 @@ from composer_jax.config import MeshConfig, load_config
 from composer_jax.model_dirs import open_source
 from composer_jax.parallel import DualMesh
 from composer_jax.source_weights import load_state
+from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, TrainConfig
 from composer_jax.train.state import StateLayout
 
-sources = sys.argv[2:]
+mode, sources = sys.argv[2], sys.argv[3:]
+resume = RunCheckpoints(sources[2] + "/checkpoints")
 cfg = open_source(sources[0]).model
 run = RunConfig(model=cfg, mesh=MeshConfig(), train=TrainConfig(seq_len=64))
 layout = StateLayout(run, DualMesh(run.mesh, jax.devices(), model=cfg))
 out = {}
-for name, how in [("fresh", None), *zip(("hf", "converted", "run"), sources)]:
+ways = [("fresh", None)] if mode == "fresh" else [*zip(("hf", "converted", "run"), sources), ("resume", "resume")]
+for name, how in ways:
     for attempt in range(2):          # the second is timed: the first compiles what it runs
         began = time.perf_counter()
         if how is None:
-            placed = layout.fresh().params
+            placed = layout.fresh()
+        elif how == "resume":
+            placed = resume.restore(layout.abstract)[0]
         else:
             placed = load_state(open_source(how), cfg, layout.abstract.params, layout.abstract.biases)
         jax.block_until_ready(placed)
         out[name] = time.perf_counter() - began
         del placed
+out["peak_rss_mb"] = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 print(json.dumps(out))
 """
 
@@ -103,22 +110,32 @@ def main() -> int:
         files = sorted((work / "hf").glob("*.safetensors"))
         speed, dropped = read_speed(files)
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-        _drop_caches()
-        out = subprocess.run([sys.executable, "-c", CHILD, str(args.devices), str(work / "hf"),
-                              str(work / "converted"), str(work / "run")], capture_output=True, text=True, env=env)
-        if out.returncode:
-            sys.exit(out.stderr[-3000:])
-        times = json.loads(out.stdout.strip().splitlines()[-1])
-        budget = times["fresh"] + size / speed
-        rows = {name: {"seconds": times[name], "ratio": times[name] / budget} for name in ("hf", "converted", "run")}
+        times, rss = {}, {}
+        for mode in ("fresh", "load"):      # each in a process of its own: its peak memory apart
+            _drop_caches()
+            out = subprocess.run([sys.executable, "-c", CHILD, str(args.devices), mode, str(work / "hf"),
+                                  str(work / "converted"), str(work / "run")], capture_output=True, text=True, env=env)
+            if out.returncode:
+                sys.exit(f"the timed {mode} process failed (exit status {out.returncode}):\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            rss[mode] = result.pop("peak_rss_mb")
+            times.update(result)
+        step = next(p for p in (work / "run" / "checkpoints").iterdir() if p.name.isdigit())
+        checkpoint = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+        read = {"hf": size, "converted": size, "run": size, "resume": checkpoint}
+        rows = {name: {"seconds": times[name], "bytes": read[name], "ratio": times[name] / (times["fresh"] + read[name] / speed)}
+                for name in read}
         print(f"model {size / 1e9:.2f} GB bf16 on {args.devices} CPU devices; reading it: {speed / 1e6:.0f} MB/s "
-              f"({'page cache dropped' if dropped else 'page cache as it was'}); fresh init {times['fresh']:.2f} s")
-        print(f"{'source':<10} {'load s':>8} {'MB/s':>8} {'vs fresh + read':>16}")
+              f"({'page cache dropped' if dropped else 'page cache as it was'}); fresh init {times['fresh']:.2f} s; "
+              f"peak RSS of the fresh init {rss['fresh']:.0f} MB, of the loads {rss['load']:.0f} MB")
+        print(f"{'source':<10} {'load s':>8} {'GB':>6} {'MB/s':>8} {'vs fresh + read':>16}")
         for name, row in rows.items():
-            print(f"{name:<10} {row['seconds']:8.2f} {size / 1e6 / row['seconds']:8.0f} {row['ratio']:15.2f}x")
+            print(f"{name:<10} {row['seconds']:8.2f} {row['bytes'] / 1e9:6.2f} {row['bytes'] / 1e6 / row['seconds']:8.0f} "
+                  f"{row['ratio']:15.2f}x")
         if args.json:
             Path(args.json).write_text(json.dumps({"bytes": size, "read_bytes_per_s": speed, "cache_dropped": dropped,
-                                                   "fresh_s": times["fresh"], "sources": rows}, indent=2))
+                                                   "fresh_s": times["fresh"], "peak_rss_mb": rss, "sources": rows},
+                                                  indent=2))
         return 0
     finally:
         if args.workdir is None:

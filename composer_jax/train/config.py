@@ -197,6 +197,19 @@ def _dotted(data: dict, key: str):
     return data
 
 
+def _bundled_run_hint(source: str) -> str:
+    """How to make `source` when it is the run directory of a bundled run config (a recipe's earlier phase)."""
+    from composer_jax.config import CONFIG_DIR, bundled_configs
+
+    for name in bundled_configs("run"):
+        data = read_yaml(CONFIG_DIR / f"{name}.yaml")
+        if Path(str(data.get("run_dir", ""))).expanduser() == Path(source).expanduser():
+            command = ("rl" if "rl" in data or "init_from" in data else
+                       "sft" if (data.get("data") or {}).get("format") == "chat" else "pretrain")
+            return f"the run of the bundled config {name}: make it first with `composer-jax {command} {name}`"
+    return ""
+
+
 def load_config_with_model(cls: type, path_or_name: str | Path, overrides=()):
     """A run-like config `cls` (with a `model` field and a `SOURCE_KEY`, the dotted key naming the model
     source it starts from) from a YAML path or a bundled run config name: the named model inlined, dotted
@@ -228,7 +241,8 @@ def load_config_with_model(cls: type, path_or_name: str | Path, overrides=()):
         apply_overrides(cls, data, {k: v for k, v in overrides if k != "model"})
         source = None
         if _dotted(data, cls.SOURCE_KEY):
-            base, source = source_model(str(_dotted(data, cls.SOURCE_KEY)), cls.SOURCE_KEY)
+            base, source = source_model(str(_dotted(data, cls.SOURCE_KEY)), cls.SOURCE_KEY,
+                                        hint=_bundled_run_hint(str(_dotted(data, cls.SOURCE_KEY))))
             if not explicit:
                 data["model"] = _deep_merge(base, data["model"])
         elif not explicit:
