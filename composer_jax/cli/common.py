@@ -82,12 +82,13 @@ def log_to_stderr(command: str, quiet: bool) -> bool:
 
 def load_model_or_run_config(name: str, overrides):
     """(ModelConfig, RunConfig / RLRunConfig or None) of a model config or a run config (bundled name or
-    YAML path; a run config with an `rl` section is an RL run's)."""
+    YAML path; a run config with an RL section or a top-level `init_from` is an RL run's)."""
     from composer_jax.config import load_config, read_yaml, resolve_config_path
     from composer_jax.train.config import is_run_config, load_run_config
 
     if is_run_config(name):
-        if "rl" in read_yaml(resolve_config_path(name, kind="run")):
+        keys = {str(k).split(".")[0] for k in read_yaml(resolve_config_path(name, kind="run"))}
+        if keys & {"rl", "rollout", "env", "init_from"}:      # RL's own sections (its source key is top-level)
             from composer_jax.rl.run_config import load_rl_config
 
             run = load_rl_config(name, overrides)

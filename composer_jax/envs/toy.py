@@ -68,7 +68,7 @@ class ToyEnv:
         return HintContext(tuple(t.name for t in self.tools), self.fmt.render_call("submit", {"answer": "..."}))
 
     def demonstration(self, task: ToyTask) -> str:
-        """The assistant message that solves `task` (a warm start's target)."""
+        """The assistant message that solves `task` (a demonstration's answer: envs.demos.toy_demos)."""
         return self.fmt.render_call("submit", {"answer": task.answer}) if self.use_tool else task.answer
 
     def reset(self, task: ToyTask) -> list[dict]:

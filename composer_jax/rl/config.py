@@ -36,7 +36,7 @@ class RLConfig:
     sd_jsd_beta: float = 0.5
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
     # The teacher's parameters: the policy's own (live, under stop-gradient) or those it had when RL began
-    # (initial: fixed, after the warm start; OPSD's recommended teacher, rl.md 3.5); initial needs
+    # (initial: fixed, init_from's policy; OPSD's recommended teacher, rl.md 3.5); initial needs
     # teacher_context=full (the prefix path would read the live student's latents)
     sd_teacher: Literal["live", "initial"] = "live"
     mtp_distill_weight: float = 0.1     # MTP depths' self-distillation toward the policy (trains the depths only)

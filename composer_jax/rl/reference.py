@@ -1,5 +1,5 @@
 """The frozen reference policy of the KL term: its log-probs of a rollout batch's tokens, computed on the
-learner's devices with parameters fixed at the start of RL (after the warm start)."""
+learner's devices with parameters fixed at the start of RL (init_from's)."""
 
 from __future__ import annotations
 
