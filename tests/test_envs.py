@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -188,7 +189,7 @@ def test_sampled_ids_are_kept_even_when_they_do_not_survive_decoding(sandbox, ex
 
 def test_tool_failures_flags_and_limits(sandbox, example_task):
     fmt = PlainFormat()
-    env = CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=9, max_output_chars=200))
+    env = CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=12, max_output_chars=200))
     env.reset(example_task)
     (env.workspace / "twice.txt").write_text("x x\n")
     (env.workspace / "link").symlink_to("/etc")
@@ -199,8 +200,10 @@ def test_tool_failures_flags_and_limits(sandbox, example_task):
 
     out, flags, *_ = step("edit", {"path": "twice.txt", "old": "x", "new": "y"})
     assert "found 2 times" in out and flags == []
-    out, flags, *_ = step("edit", {"path": "twice.txt", "old": "x", "new": "y"})
-    assert flags == ["repeated_failure"]
+    assert [step("edit", {"path": "twice.txt", "old": "x", "new": "y"})[1] for _ in range(3)] == \
+        [[], ["repeated_call"], []]                  # the same failing call 3 times running: flagged once
+    out, flags, *_ = step("run", {"command": "no_such_program"})         # cannot start (exit 127): failed
+    assert "exit code 127" in out and flags == []
     out, flags, *_ = step("read_file", {"path": "link/passwd"})
     assert "outside the repository" in out
     out, flags, *_ = step("read_file", {"path": "../task.json"})
@@ -214,9 +217,45 @@ def test_tool_failures_flags_and_limits(sandbox, example_task):
     out, flags, *_ = step("search", {"pattern": "def (double|scaled)"})
     assert out.splitlines() == ["mathops.py:1: def double(x):", "mathops.py:5: def scaled_sum(a, b):"]
     out, flags, done, info = step("search", {"pattern": "("})
-    assert "bad regular expression" in out and done                       # max_turns = 9 ends the episode
-    assert info["task_reward"] == 0.0 and info["failed_calls"] == 5      # graded with the tests restored
+    assert "bad regular expression" in out and done                      # max_turns = 12 ends the episode
+    assert info["task_reward"] == 0.0 and info["failed_calls"] == 8      # graded with the tests restored
     assert not env.workspace.exists()                                    # deleted once graded
+
+
+def test_failing_tests_are_information_not_a_failed_call(sandbox, example_task):
+    """The test-driven loop (run the failing tests, fix, rerun, submit) has no failed call and no flag; the
+    failing run is counted apart. The same failing test run three times running is one loop flag (pytest's
+    timings differ from run to run); a command killed by a sandbox limit is a failed call."""
+    from composer_jax.rl.rollout import rollout_metrics
+
+    fmt, test = PlainFormat(), {"command": "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q tests"}
+    env = CodingEnv(sandbox, fmt)
+    ep = TokenEpisode(env, BYTES)
+    ep.start(example_task)
+    fix = {"path": "mathops.py", "old": "    raise NotImplementedError\n", "new": "    return 3 * a + b\n"}
+    outputs = []
+    for name, args in (("run", test), ("edit", fix), ("run", test), ("submit", {})):
+        new, done, info = ep.step(BYTES.encode(fmt.render_call(name, args) + fmt.end_of_turn))
+        outputs.append(BYTES.decode(new))
+    assert "exit code 1" in outputs[0] and "failed" in outputs[0] and "passed" in outputs[2]
+    assert done and info["task_reward"] == 1.0 and not any(t.flags for t in ep.turns)
+    assert info["failed_calls"] == 0 and info["tests_failed_runs"] == 1
+    metrics = rollout_metrics([types.SimpleNamespace(episode=ep, reward=ep.reward)], 1.0, 1.0)
+    assert metrics["tool_error_rate"] == 0.0 and metrics["tests_failed_runs"] == 1.0
+    assert metrics["flag_repeated_call"] == 0.0
+
+    env = CodingEnv(sandbox, fmt, CodingEnvConfig(run_wall_s=60))
+    env.reset(example_task)
+    flags = [env.step(fmt.render_call("run", test))[2]["flags"] for _ in range(4)]
+    assert [[f.kind for f in x] for x in flags] == [[], [], ["repeated_call"], []] and env.stats["failed_calls"] == 0
+    hint = hint_for(flags[2], env.hint_context)
+    assert "run {'command': 'PYTEST_DISABLE" in hint and "3 times, each: exit code 1" in hint, hint
+    env.close()
+    env = CodingEnv(sandbox, fmt, CodingEnvConfig(run_wall_s=1))
+    env.reset(example_task)
+    obs, _, info = env.step(fmt.render_call("run", {"command": "sleep 30"}))
+    assert "limits hit: wall" in obs[0]["content"] and env.stats["failed_calls"] == 1
+    env.close()
 
 
 def test_a_tool_subset_is_all_the_agent_sees_and_may_call(sandbox, example_task):

@@ -251,6 +251,8 @@ def test_rollout_metrics_count_calls_carried_out_and_failed():
     assert metrics["tool_error_rate"] == pytest.approx(1 / 2)
     assert metrics["tool_turn_error_rate"] == pytest.approx(2 / 3)
     assert metrics["pass_rate"] == pytest.approx(1 / 3)
+    assert metrics["flag_malformed_call"] == metrics["flag_no_action"] == pytest.approx(1 / 3)
+    assert metrics["flag_unknown_tool"] == metrics["tests_failed_runs"] == 0.0
 
 
 def test_a_resumed_run_rebuilds_the_fixed_teacher_from_its_source(tmp_path):

@@ -5,7 +5,10 @@
     observation, done, info = env.step(assistant_text)  # tool results as messages; flags; reward when done
 
 A turn's tool calls are carried out in order (up to `submit`); parse errors become error results;
-`info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok). The
+`info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok). A call
+that cannot be carried out counts in `failed_calls` (envs.tools says which); a test run that reports
+failures is a successful call, counted in `tests_failed_runs`. The same call with the same result
+`repeat_limit` times running (parse errors included) is flagged once, as a loop. The
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
 (restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted (after
 `inspect(task, workspace)`, when given, has looked at it: what it returns is `info["inspection"]`, e.g.
@@ -18,14 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_FAILURE, TEST_FILE_EDIT, Flag, HintContext,
-                                        flags_for_errors)
+from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_CALL, TEST_FILE_EDIT, Flag, HintContext,
+                                     flags_for_errors)
 from composer_jax.envs.protocol import ToolFormat, parse_turn
+from composer_jax.envs.shell import runs_tests
 from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTools
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
@@ -33,6 +38,7 @@ from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
 SYSTEM_PROMPT = ("You are a coding agent working in a repository. Use the tools to read and change the code so "
                  "that the task is done and its tests pass, then call submit.")
 NO_ACTION_MESSAGE = "No tool call found. Call a tool (or submit when you are done)."
+DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|sec|seconds)\b")   # timings: the same result, timed anew
 
 
 # One well-formed call per tool that needs no knowledge of the repository: the hints' example, in this
@@ -47,11 +53,14 @@ class CodingEnvConfig:
     run_wall_s: float = 30.0            # limits of one `run` command
     run_cpu_s: int = 30
     tools: tuple[str, ...] = TOOL_NAMES  # the tools declared and accepted (a shorter prompt for small models)
+    repeat_limit: int = 3               # the same call with the same result this many times running: a loop
 
     def __post_init__(self):
         for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"coding env setting '{name}' must be > 0, got {getattr(self, name)}")
+        if not self.repeat_limit >= 2:
+            raise ValueError(f"coding env setting 'repeat_limit' must be >= 2, got {self.repeat_limit}")
         unknown = [t for t in self.tools if t not in TOOL_NAMES]
         problem = (f"unknown tool {', '.join(map(repr, unknown))}; the tools are {', '.join(TOOL_NAMES)}" if unknown
                    else "a tool is listed twice" if len(set(self.tools)) != len(self.tools)
@@ -83,10 +92,12 @@ class CodingEnv:
         self._tools = WorkspaceTools(self.workspace, self.sandbox, max_output_chars=self.config.max_output_chars,
                                      run_limits=limits)
         self.task, self.turn, self.done = task, 0, False
-        self._failed: set[str] = set()
+        self._last_call, self._repeats = None, 0
         # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;
-        # failed_calls: those plus the valid calls that failed when carried out
-        self.stats = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
+        # failed_calls: those plus the valid calls that could not be carried out; tests_failed_runs: test
+        # runs that reported failures (successful calls)
+        self.stats = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0,
+                      "tests_failed_runs": 0}
         return [self.fmt.tools_message(self.tools), {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task.instruction}]
 
@@ -95,11 +106,15 @@ class CodingEnv:
                 for p in self.workspace.rglob("*")
                 if p.is_file() and not p.is_symlink() and is_test_file(p.relative_to(self.workspace).as_posix())}
 
-    def _failure(self, key: str, detail: str, flags: list[Flag]) -> None:
-        self.stats["failed_calls"] += 1
-        if key in self._failed:
-            flags.append(Flag(REPEATED_FAILURE, detail))
-        self._failed.add(key)
+    def _repeat(self, call: str, shown: str, result: str, flags: list[Flag]) -> None:
+        """Count the same call (`call`: its identity) with the same result running (timings aside); flag
+        the loop once, when the count reaches the limit. `shown`: the call as the hint names it."""
+        key = (call, DURATION.sub("", result))
+        self._repeats = self._repeats + 1 if key == self._last_call else 1
+        self._last_call = key
+        if self._repeats == self.config.repeat_limit:
+            first_line = result.strip().splitlines()[0] if result.strip() else "no output"
+            flags.append(Flag(REPEATED_CALL, f"{shown} {self._repeats} times, each: {first_line[:120]}"))
 
     def step(self, assistant_text: str) -> tuple[list[dict], bool, dict]:
         if self.done:
@@ -109,7 +124,8 @@ class CodingEnv:
         flags = flags_for_errors(parsed.errors)
         observation = []
         for error in parsed.errors:
-            self._failure(f"{error.kind}:{error.message}", error.message, flags)
+            self.stats["failed_calls"] += 1
+            self._repeat(f"{error.kind}:{error.message}", "a malformed call", error.message, flags)
             observation.append({"role": "tool", "name": error.call_id, "content": f"error: {error.message}"})
         if parsed.errors:
             self.stats["malformed_turns"] += 1
@@ -124,8 +140,10 @@ class CodingEnv:
                 break
             before = self._test_digest() if call.name == "run" else None
             outcome = self._tools.call(call)
-            if not outcome.ok:
-                self._failure(call.key(), f"{call.name} {call.arguments}: {outcome.output[:200]}", flags)
+            self.stats["failed_calls"] += not outcome.ok
+            self.stats["tests_failed_runs"] += bool(outcome.ok and outcome.exit_code and
+                                                    runs_tests(call.arguments["command"]))
+            self._repeat(call.key(), f"{call.name} {call.arguments}", outcome.output, flags)
             if outcome.truncated:
                 flags.append(Flag(OUTPUT_LIMIT, f"{call.name} output cut at {self.config.max_output_chars} characters"))
             edited = list(outcome.test_files)

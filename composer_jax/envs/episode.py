@@ -87,7 +87,7 @@ class TokenEpisode:
         """End an episode whose context ran out before it did: unsolved and ungraded (task reward 0), its
         turns kept as they were played; `info["context_full"]` says so, and the calls the environment
         carried out are counted (a coding env keeps them in `stats`)."""
-        counts = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0,
+        counts = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0, "tests_failed_runs": 0,
                   **getattr(self.env, "stats", {})}
         self.done, self.info = True, {"turns": len(self.turns), "task_reward": 0.0, "context_full": True, **counts}
         self._finish()

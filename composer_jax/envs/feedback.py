@@ -16,11 +16,11 @@ from composer_jax.envs import protocol
 UNKNOWN_TOOL = "unknown_tool"
 MALFORMED_CALL = "malformed_call"            # malformed JSON or call syntax
 INVALID_ARGUMENTS = "invalid_arguments"      # missing, unexpected or mistyped arguments
-REPEATED_FAILURE = "repeated_failure"        # the same call failed in an earlier turn
+REPEATED_CALL = "repeated_call"              # the same call with the same result several times running
 TEST_FILE_EDIT = "test_file_edit"
 OUTPUT_LIMIT = "output_limit"
 NO_ACTION = "no_action"                      # no tool call and no answer
-FLAG_KINDS = (UNKNOWN_TOOL, MALFORMED_CALL, INVALID_ARGUMENTS, REPEATED_FAILURE, TEST_FILE_EDIT, OUTPUT_LIMIT,
+FLAG_KINDS = (UNKNOWN_TOOL, MALFORMED_CALL, INVALID_ARGUMENTS, REPEATED_CALL, TEST_FILE_EDIT, OUTPUT_LIMIT,
               NO_ACTION)
 
 
@@ -48,7 +48,8 @@ HINT_BUILDERS: dict[str, Callable[[Flag, HintContext], str]] = {
     UNKNOWN_TOOL: lambda f, c: f"Reminder: the available tools are {_tools(c)}; call only these.",
     MALFORMED_CALL: lambda f, c: f"Reminder: write each tool call exactly like {c.call_example} (valid JSON).",
     INVALID_ARGUMENTS: lambda f, c: f"Reminder: check the tool's arguments ({f.detail}).",
-    REPEATED_FAILURE: lambda f, c: f"This exact call already failed ({f.detail}); try a different approach.",
+    REPEATED_CALL: lambda f, c: (f"You made this exact call several times running and got the same result "
+                                 f"({f.detail}); repeating it will not change that: try something different."),
     TEST_FILE_EDIT: lambda f, c: f"Do not edit the tests ({f.detail}); change the code so that they pass.",
     OUTPUT_LIMIT: lambda f, c: (f"Tool output is cut after {c.max_output_chars} characters: read line ranges or "
                                 "narrow the command."),

@@ -3,7 +3,10 @@
 File tools run host-side on paths confined to the workspace (a path that resolves outside it, through
 '..' or a symlink, is refused); `run` executes in the sandbox. Every output is cut to
 `max_output_chars` with a visible marker, and the outcome says whether it was cut and whether the call
-failed (failed calls are penalised and, when repeated, flagged).
+failed. A call fails when it cannot be carried out: a bad path or range, an `edit` whose text does not
+occur once, a command that cannot start (exit code 126 or 127) or that a sandbox limit stopped. A
+command that runs and exits non-zero, such as tests that fail, is a successful call: its output is
+the information the agent asked for (`exit_code` keeps the status).
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ TOOL_NAMES = tuple(t.name for t in TOOLS)
 @dataclasses.dataclass(frozen=True)
 class ToolOutcome:
     output: str
-    ok: bool = True                     # False: the call failed (bad path, no match, non-zero exit, ...)
+    ok: bool = True                     # False: the call could not be carried out (see the module's doc)
     truncated: bool = False             # the output was cut to the limit
     test_files: tuple[str, ...] = ()    # test files this call wrote to
+    exit_code: int | None = None        # a `run` call's exit status (None: killed, or not a command)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,11 @@ class CallRecord:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# A command that could not start (the shell's "cannot execute" and "not found"), and the limits that stop one.
+CANNOT_START = (126, 127)
+STOPPING_LIMITS = ("wall", "cpu", "memory", "processes", "file_size")
 
 
 class ToolError(Exception):
@@ -183,7 +192,8 @@ class WorkspaceTools:
             parts.append("stderr:\n" + result.stderr.rstrip("\n"))
         if result.truncated:
             parts.append(f"[output truncated: {result.stdout_dropped + result.stderr_dropped} more bytes]")
-        return ToolOutcome("\n".join(parts), ok=result.ok, truncated=result.truncated)
+        failed = result.exit_code in CANNOT_START or any(k in STOPPING_LIMITS for k in result.limits_hit)
+        return ToolOutcome("\n".join(parts), ok=not failed, truncated=result.truncated, exit_code=result.exit_code)
 
     def _submit(self) -> ToolOutcome:
         return ToolOutcome("submitted")

@@ -37,7 +37,7 @@ import numpy as np
 
 from composer_jax.config import ConfigError
 from composer_jax.envs import Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields
-from composer_jax.envs.feedback import NO_ACTION
+from composer_jax.envs.feedback import FLAG_KINDS, NO_ACTION
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.eval.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
@@ -165,10 +165,11 @@ def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.nd
 
 def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float) -> dict:
     """Means over the batch's finished episodes: rewards and their components, pass rate, tool calls
-    carried out per episode and the share of calls that failed (invalid, or a non-zero exit: a `run` of
-    failing tests counts), the share of turns that used the tools wrongly (a call that did not parse or
-    validate, or no call at all: a policy that stops calling has no failed calls, but every turn
-    counts here), flagged turns, response length; rollout tokens per second."""
+    carried out per episode and the share of calls that failed (invalid, or not carried out: envs.tools),
+    test runs that reported failures per episode (successful calls, apart from the errors), the share of
+    turns that used the tools wrongly (a call that did not parse or validate, or no call at all: a policy
+    that stops calling has no failed calls, but every turn counts here), flagged turns and the share of
+    turns flagged per kind (`flag_<kind>`), response length; rollout tokens per second."""
     if not rollouts:
         return {"rollouts": 0.0, "rollout_s": wall_s}
     terms = [x.episode.reward_terms for x in rollouts]
@@ -182,9 +183,12 @@ def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: floa
            "tool_calls_mean": float(np.mean([i.get("tool_calls", 0) for i in infos])),
            "tool_error_rate": sum(i["failed_calls"] for i in infos) / calls if calls else 0.0,
            "tool_turn_error_rate": (sum(i.get("malformed_turns", 0) for i in infos) + no_call) / max(len(turns), 1),
+           "tests_failed_runs": float(np.mean([i.get("tests_failed_runs", 0) for i in infos])),
            "flagged_turns": float(sum(bool(t.flags) for t in turns)),
            "response_length_mean": float(np.mean(generated)), "rollout_s": wall_s,
            "rollout_tokens_per_s": sum(generated) / max(wall_s, 1e-9)}
+    out.update({f"flag_{kind}": sum(any(f.kind == kind for f in t.flags) for t in turns) / max(len(turns), 1)
+                for kind in FLAG_KINDS})
     out.update({f"reward_{name}": float(np.mean([t[name] for t in terms])) for name in terms[0] if name != "total"})
     return out
 

@@ -102,6 +102,7 @@ class EnvConfig:
     # with, else all
     tools: tuple[str, ...] = ()
     max_output_chars: int = 0       # coding: a tool result is cut to this many characters (0: init_from's, else 4000)
+    repeat_limit: int = 3           # coding: the same call with the same result this many times running is flagged
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -116,6 +117,8 @@ class EnvConfig:
             CodingEnvConfig(tools=self.tools or TOOL_NAMES)
         except ValueError as e:
             raise ConfigError("tools", str(e).split(": ", 1)[-1]) from None
+        if self.repeat_limit < 2:
+            raise ConfigError("repeat_limit", f"must be >= 2, got {self.repeat_limit}")
         if self.kind == "coding" and not (self.tasks_dir or self.repo):
             raise ConfigError("tasks_dir", "the coding environment needs a task directory (composer-jax tasks "
                                            "feature-deletion REPO OUT) or a repository to make tasks from (env.repo)")
@@ -124,7 +127,8 @@ class EnvConfig:
         """The coding environment's settings (unset tools and output limit: the environment's defaults)."""
         default = CodingEnvConfig()
         return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars or
-                               default.max_output_chars, tools=self.tools or default.tools)
+                               default.max_output_chars, tools=self.tools or default.tools,
+                               repeat_limit=self.repeat_limit)
 
     def agent(self, rollout: RolloutConfig) -> dict:
         """The agent settings a run records (model_dirs.AGENT_KEYS): what `eval` of the run uses."""
