@@ -15,8 +15,8 @@ import pytest
 from composer_jax import cli
 from composer_jax.envs import CodingEnv, CodingEnvConfig, get_format, hint_for
 from composer_jax.envs.coding import SYSTEM_PROMPT
-from composer_jax.envs.demos import (NO_ACTION, UNKNOWN_TOOL, DemoConfig, DemoError, edit_steps, hinted_records,
-                                     mistake_text, solution_calls)
+from composer_jax.envs.demos import (NO_ACTION, UNKNOWN_TOOL, DemoConfig, DemoError, DemoSkip, edit_steps,
+                                     hinted_records, mistake_text, play, solution_calls)
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import FeatureDeletionConfig, generate_tasks, load_task
 from tests.test_tasks import no_leftover_copies  # noqa: F401  (autouse: no temporary copy is left behind)
@@ -58,42 +58,48 @@ def timeless(text: str) -> str:
 
 
 def replay(record: dict, task, sandbox, fmt_name="plain", max_output_chars=4000, mistake_at=None, mistake=""):
-    """Step a fresh CodingEnv through the record's tool calls (rendered by the format), independently of
-    the builder; with `mistake_at`, send `mistake` first at that assistant turn. Returns (tool outputs
-    seen, the final info, the hint the env gave for the mistake)."""
+    """Step a fresh CodingEnv through the record's assistant turns (text, then the tool call rendered by
+    the format), independently of the builder; with `mistake_at`, send `mistake` first at that assistant
+    turn. Returns (tool outputs seen, the final info, the hint the env gave for the mistake, the kinds of
+    the flags of the record's turns)."""
     fmt = get_format(fmt_name)
-    calls = [m["tool_calls"][0] for m in record["messages"] if m.get("tool_calls")]
+    turns = [m for m in record["messages"] if m.get("tool_calls")]
+    calls = [m["tool_calls"][0] for m in turns]
     tools = tuple(t["function"]["name"] for t in record["tools"])
     config = CodingEnvConfig(max_turns=len(calls) + 1, max_output_chars=max_output_chars, tools=tools)
     env = CodingEnv(sandbox, fmt, config)
     first = env.reset(task)
     assert first[1:] == record["messages"][:2] and first[1]["content"] == SYSTEM_PROMPT
     assert record["tools"] == [t.schema() for t in env.tools]
-    outputs, hint = [], None
-    for k, call in enumerate(calls):
+    outputs, hint, flags = [], None, []
+    for k, (turn, call) in enumerate(zip(turns, calls)):
         if k == mistake_at:
             _, _, info = env.step(mistake)
             hint = hint_for(info["flags"], env.hint_context)
         assert call["id"] == f"call_{k}" and call["type"] == "function"
         assert isinstance(call["function"]["arguments"], dict)
-        observation, done, info = env.step(fmt.render_call(call["function"]["name"], call["function"]["arguments"], k))
+        text = turn["content"] + fmt.render_call(call["function"]["name"], call["function"]["arguments"], k)
+        observation, done, info = env.step(text)
+        flags += [f.kind for f in info["flags"]]
         assert done == (k == len(calls) - 1)
         if not done:
             assert [m["role"] for m in observation] == ["tool"]
             outputs.append(observation[0]["content"])
-    return outputs, info, hint
+    return outputs, info, hint, flags
 
 
-def check_replays(record, task, sandbox, **kw):
-    """The record's tool messages are what the env shows, each answering the call before it; reward 1."""
+def check_replays(record, task, sandbox, **kw) -> list[str]:
+    """The record's tool messages are what the env shows, each answering the call before it; reward 1;
+    no turn flagged but for output cut at the limit. Returns the kinds of the flags."""
     messages = record["messages"]
     for i, m in enumerate(messages):
         if m["role"] == "tool":
             assert messages[i - 1]["tool_calls"][0]["id"] == m["tool_call_id"]
     assert messages[-1]["tool_calls"][0]["function"] == {"name": "submit", "arguments": {}}
-    outputs, info, _ = replay(record, task, sandbox, **kw)
+    outputs, info, _, flags = replay(record, task, sandbox, **kw)
     assert [timeless(o) for o in outputs] == [timeless(m["content"]) for m in messages if m["role"] == "tool"]
-    assert info["task_reward"] == 1.0 and not any(f.kind != "output_limit" for f in info["flags"])
+    assert info["task_reward"] == 1.0 and set(flags) <= {"output_limit"}
+    return flags
 
 
 def test_solve_conversations_replay_to_the_same_outputs_and_reward_1(written, tasks_dir, sandbox):
@@ -107,7 +113,9 @@ def test_solve_conversations_replay_to_the_same_outputs_and_reward_1(written, ta
         assert names == ["run", "read_file", "edit", "run", "submit"]
         tool_outputs = [m["content"] for m in record["messages"] if m["role"] == "tool"]
         assert tool_outputs[0].startswith("exit code 1") and tool_outputs[-1].startswith("exit code 0")
-        check_replays(strip_hint(record), task, sandbox)
+        summary = record["messages"][-1]["content"]
+        assert re.fullmatch(r"I implemented \w+ in textkit\.py; the tests pass\.", summary), summary
+        assert check_replays(strip_hint(record), task, sandbox) == []          # no turn flagged
 
 
 def strip_hint(record: dict) -> dict:
@@ -126,8 +134,8 @@ def check_hint(record: dict, mistake: str, tasks_dir, sandbox) -> None:
     assert messages[at] == {"role": "assistant", "content": "", "weight": 0}
     assert messages[at + 1]["role"] == "system" and messages[at + 2].get("tool_calls")
     turn = sum(m["role"] == "assistant" for m in messages[:at])
-    _, info, hint = replay(strip_hint(record), load_task(tasks_dir / record["task"]), sandbox, mistake_at=turn,
-                           mistake=mistake_text(mistake, DemoConfig(), turn))
+    _, info, hint, _ = replay(strip_hint(record), load_task(tasks_dir / record["task"]), sandbox, mistake_at=turn,
+                              mistake=mistake_text(mistake, DemoConfig(), turn))
     assert hint and messages[at + 1]["content"] == hint
     assert info["task_reward"] == 1.0    # the mistake changes no tool output
 
@@ -163,9 +171,23 @@ def test_edit_steps_apply_one_unique_occurrence_at_a_time():
 
 def test_write_file_when_edit_is_not_declared(tasks_dir, sandbox):
     task = load_task(next(d for d in sorted(tasks_dir.iterdir()) if d.is_dir()))
-    calls = solution_calls(task, sandbox, DemoConfig(tools=("run", "write_file", "submit")))
+    calls, summary = solution_calls(task, sandbox, DemoConfig(tools=("run", "write_file", "submit")))
     assert [name for name, _ in calls] == ["run", "write_file", "run", "submit"]
+    assert summary.startswith("I implemented ") and summary.endswith(" in textkit.py; the tests pass.")
     assert calls[1][1]["path"] == "textkit.py" and calls[1][1]["content"] == (TEXTKIT / "textkit.py").read_text()
+
+
+def test_a_flagged_turn_is_not_demonstrated(tasks_dir, tmp_path, sandbox):
+    """A solution that leaves an unused variable solves the task, but its edit turn is flagged (style):
+    SFT would teach what the hint corrects, so the task is skipped with the flag as the reason."""
+    untidy = tmp_path / "untidy"
+    shutil.copytree(next(d for d in sorted(tasks_dir.iterdir()) if d.is_dir()), untidy)
+    patch = (untidy / "solution.patch").read_text()
+    (untidy / "solution.patch").write_text(patch.replace("+    ", "+    unused = 0; ", 1))
+    task, config = load_task(untidy), DemoConfig()
+    with pytest.raises(DemoSkip, match=r"^turn 3 \(edit\) is flagged: style: textkit\.py:\d+ F841 Local variable "
+                                       r"`unused` is assigned to but never used$"):
+        play(task, *solution_calls(task, sandbox, config), sandbox, config)
 
 
 def test_tools_that_cannot_express_a_solution_are_an_error(tasks_dir, tmp_path):

@@ -1,6 +1,7 @@
 """Agent environments: tool-call formats and parser, workspace tools, the coding env, toy text envs,
-flags -> hints for targeted feedback, reward composition, token-level episodes, the reward-hacking
-monitor. Host-side: uses `composer_jax.tasks` and `composer_jax.sandbox`, never jax."""
+flags -> hints for targeted feedback, the signals Composer names (style, communication, effort, wrong
+tool) and the lint they use, reward composition, token-level episodes, the reward-hacking monitor.
+Host-side: uses `composer_jax.tasks` and `composer_jax.sandbox`, never jax."""
 
 from composer_jax.envs.coding import CodingEnv, CodingEnvConfig
 from composer_jax.envs.episode import TokenEpisode, Turn, rollout_fields

@@ -8,7 +8,9 @@ A turn's tool calls are carried out in order (up to `submit`); parse errors beco
 `info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok). A call
 that cannot be carried out counts in `failed_calls` (envs.tools says which); a test run that reports
 failures is a successful call, counted in `tests_failed_runs`. The same call with the same result
-`repeat_limit` times running (parse errors included) is flagged once, as a loop. The
+`repeat_limit` times running (parse errors included) is flagged once, as a loop. The signals
+Composer names (envs.signals: style, communication, effort, wrong_tool) are counted in `stats` and,
+those in `config.signals`, flagged; a turn flagged as a loop is not also flagged as redundant. The
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
 (restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted (after
 `inspect(task, workspace)`, when given, has looked at it: what it returns is `info["inspection"]`, e.g.
@@ -27,10 +29,13 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from composer_jax.envs.feedback import (NO_ACTION, OUTPUT_LIMIT, REPEATED_CALL, TEST_FILE_EDIT, Flag, HintContext,
-                                     flags_for_errors)
+from composer_jax.envs.feedback import (COMMUNICATION, NO_ACTION, OUTPUT_LIMIT, REDUNDANT_CALL, REPEATED_CALL, STYLE,
+                                     TEST_FILE_EDIT, WRONG_TOOL, Flag, HintContext, flags_for_errors)
+from composer_jax.envs.lint import changed_files
 from composer_jax.envs.protocol import ToolFormat, parse_turn
 from composer_jax.envs.shell import runs_tests
+from composer_jax.envs.signals import (SIGNAL_COUNTS, SIGNALS, SeenResults, added_findings, communication_issues,
+                                       file_contents, python_edit_paths, style_detail, wrong_tool)
 from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTools
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
@@ -54,9 +59,12 @@ class CodingEnvConfig:
     run_cpu_s: int = 30
     tools: tuple[str, ...] = TOOL_NAMES  # the tools declared and accepted (a shorter prompt for small models)
     repeat_limit: int = 3               # the same call with the same result this many times running: a loop
+    signals: tuple[str, ...] = tuple(SIGNALS)   # the signals that flag turns (all are counted in stats)
+    max_final_chars: int = 1500         # a longer final message is a communication issue
+    lint_edits: bool = True             # lint each turn's edits (one sandboxed ruff run); off: no style signal
 
     def __post_init__(self):
-        for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s"):
+        for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s", "max_final_chars"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"coding env setting '{name}' must be > 0, got {getattr(self, name)}")
         if not self.repeat_limit >= 2:
@@ -68,6 +76,10 @@ class CodingEnvConfig:
                    else "")
         if problem:
             raise ValueError(f"coding env setting 'tools': {problem}")
+        unknown = [s for s in self.signals if s not in SIGNALS]
+        if unknown:
+            raise ValueError(f"coding env setting 'signals': unknown signal {', '.join(map(repr, unknown))}; the "
+                             f"signals are {', '.join(SIGNALS)}")
 
 
 class CodingEnv:
@@ -93,11 +105,12 @@ class CodingEnv:
                                      run_limits=limits)
         self.task, self.turn, self.done = task, 0, False
         self._last_call, self._repeats = None, 0
+        self._seen, self._last_test_run = SeenResults(), None
         # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;
         # failed_calls: those plus the valid calls that could not be carried out; tests_failed_runs: test
-        # runs that reported failures (successful calls)
+        # runs that reported failures (successful calls); then each signal's count (envs.signals)
         self.stats = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0,
-                      "tests_failed_runs": 0}
+                      "tests_failed_runs": 0, **dict.fromkeys(SIGNAL_COUNTS.values(), 0)}
         return [self.fmt.tools_message(self.tools), {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": task.instruction}]
 
@@ -116,6 +129,12 @@ class CodingEnv:
             first_line = result.strip().splitlines()[0] if result.strip() else "no output"
             flags.append(Flag(REPEATED_CALL, f"{shown} {self._repeats} times, each: {first_line[:120]}"))
 
+    def _signal(self, kind: str, detail: str, flags: list[Flag], count: int = 1) -> None:
+        """Count a signal (its flag kind) in stats; flag the turn when the signal is one of config.signals."""
+        self.stats[SIGNAL_COUNTS[kind]] += count
+        if kind in (SIGNALS[s] for s in self.config.signals):
+            flags.append(Flag(kind, detail))
+
     def step(self, assistant_text: str) -> tuple[list[dict], bool, dict]:
         if self.done:
             raise RuntimeError("step() after the episode ended: call reset(task) first")
@@ -131,6 +150,9 @@ class CodingEnv:
             self.stats["malformed_turns"] += 1
             self.stats["invalid_calls"] += len(parsed.errors)
         submitted, calls = False, []
+        root = self.workspace.resolve()
+        python_before = (file_contents(root, python_edit_paths(root, parsed.calls)) if self.config.lint_edits
+                         else {})   # the turn's edits are linted against these
         for call in parsed.calls:
             self.stats["tool_calls"] += 1
             if call.name == "submit":
@@ -141,9 +163,16 @@ class CodingEnv:
             before = self._test_digest() if call.name == "run" else None
             outcome = self._tools.call(call)
             self.stats["failed_calls"] += not outcome.ok
-            self.stats["tests_failed_runs"] += bool(outcome.ok and outcome.exit_code and
-                                                    runs_tests(call.arguments["command"]))
             self._repeat(call.key(), f"{call.name} {call.arguments}", outcome.output, flags)
+            if call.name == "run":
+                command = call.arguments["command"]
+                if runs_tests(command):
+                    self._last_test_run = outcome
+                    self.stats["tests_failed_runs"] += bool(outcome.ok and outcome.exit_code)
+                if (detail := wrong_tool(command, self.config.tools)) is not None:
+                    self._signal(WRONG_TOOL, detail, flags)
+            elif outcome.ok and (detail := self._seen.redundant(call, outcome.output, self.turn)) is not None:
+                self._signal(REDUNDANT_CALL, detail, flags)
             if outcome.truncated:
                 flags.append(Flag(OUTPUT_LIMIT, f"{call.name} output cut at {self.config.max_output_chars} characters"))
             edited = list(outcome.test_files)
@@ -157,6 +186,14 @@ class CodingEnv:
         if not parsed.attempted:
             flags.append(Flag(NO_ACTION, "the message has no tool call"))
             observation.append({"role": "user", "content": NO_ACTION_MESSAGE})
+        if findings := added_findings(self.sandbox, root, python_before):
+            self._signal(STYLE, style_detail(findings), flags, len(findings))
+        if submitted and (issues := communication_issues(parsed.text, self._last_test_run,
+                                                         bool(changed_files(self.task.repo, self.workspace)),
+                                                         self.config.max_final_chars)):
+            self._signal(COMMUNICATION, "; it ".join(issues), flags, len(issues))
+        if any(f.kind == REPEATED_CALL for f in flags):
+            flags = [f for f in flags if f.kind != REDUNDANT_CALL]
         self.done = submitted or self.turn >= self.config.max_turns
         info = {"turn": self.turn, "flags": flags, "submitted": submitted, "calls": tuple(calls)}
         if self.done:

@@ -2,9 +2,12 @@
 
 For every task with a solution.patch, a scripted agent solves it in a CodingEnv, one call per turn:
 run the tests (they fail), read the files the solution changes, apply it with `edit` calls (or
-`write_file` where no unique `old` text exists), run the tests again (they pass), submit. The tool
-outputs are what the env really returned, and a conversation is written only if the episode's task
-reward is 1. Records are OpenAI-style chat (`tools`, `messages` with `tool_calls`).
+`write_file` where no unique `old` text exists), run the tests again (they pass), submit with a short
+honest summary ("I implemented word_count in textkit.py; the tests pass.": the functions the solution
+writes, and the tests only when they were run). The tool outputs are what the env really returned, and
+a conversation is written only if the episode's task reward is 1 and no turn was flagged (but for
+output cut at the limit, which a test run's output can be). Records are OpenAI-style chat (`tools`,
+`messages` with `tool_calls`).
 
 A share of the conversations (`hinted_share`) is "hinted": before one correct assistant turn they show
 what targeted feedback's teacher sees there after a flagged mistake (no tool call, or an unknown tool):
@@ -14,6 +17,7 @@ itself is not in the conversation, so the tool outputs are the solve trajectory'
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import json
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from composer_jax.envs.coding import CodingEnv, CodingEnvConfig
-from composer_jax.envs.feedback import NO_ACTION, UNKNOWN_TOOL, Flag, flags_for_errors, hint_for
+from composer_jax.envs.feedback import NO_ACTION, OUTPUT_LIMIT, UNKNOWN_TOOL, Flag, flags_for_errors, hint_for
 from composer_jax.envs.protocol import FORMATS, ToolCall, get_format, parse_turn
 from composer_jax.envs.tools import TOOL_NAMES, WorkspaceTools
 from composer_jax.envs.toy import FAMILIES, ToyEnv, toy_tasks
@@ -169,8 +173,32 @@ def _change_calls(change: FileChange, tools: tuple[str, ...]) -> list[tuple[str,
     return [("write_file", {"path": change.path, "content": change.after})]
 
 
-def solution_calls(task: Task, sandbox: Sandbox, config: DemoConfig) -> list[tuple[str, dict]]:
-    """The solve trajectory's calls: tests, reads, the solution's edits, tests, submit."""
+def _written_functions(before: str, after: str) -> list[str]:
+    """The functions (methods included) of `after` whose source is not in `before`, in source order."""
+    def sources(text: str) -> list[tuple[str, str]]:
+        nodes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        return [(n.name, ast.get_source_segment(text, n)) for n in sorted(nodes, key=lambda n: n.lineno)]
+    try:
+        old = {source for _, source in sources(before)}
+        return list(dict.fromkeys(name for name, source in sources(after) if source not in old))
+    except SyntaxError:
+        return []
+
+
+def summary_text(changes: list[FileChange], tested: bool) -> str:
+    """The final message: what the solution does to each file, and that the tests pass when they were run."""
+    parts = []
+    for c in changes:
+        functions = (_written_functions(c.before, c.after)
+                     if c.path.endswith(".py") and c.before is not None and c.after is not None else [])
+        parts.append(f"deleted {c.path}" if c.after is None else f"created {c.path}" if c.before is None
+                     else f"implemented {', '.join(functions)} in {c.path}" if functions else f"changed {c.path}")
+    return f"I {', '.join(parts)}" + ("; the tests pass." if tested else ".")
+
+
+def solution_calls(task: Task, sandbox: Sandbox, config: DemoConfig) -> tuple[list[tuple[str, dict]], str]:
+    """The solve trajectory's calls (tests, reads, the solution's edits, tests, submit) and the summary
+    the submit turn carries."""
     tools = config.tools
     with tempfile.TemporaryDirectory(prefix=f"composer_jax-demo-{task.id}-") as tmp:
         before, after = copy_repo(task.repo, Path(tmp) / "before"), copy_repo(task.repo, Path(tmp) / "after")
@@ -183,7 +211,8 @@ def solution_calls(task: Task, sandbox: Sandbox, config: DemoConfig) -> list[tup
                  for args in _read_calls(reader, c)] if "read_file" in tools else []
     tests = [("run", {"command": task.test_command})] if "run" in tools else []
     edits = [call for c in changes for call in _change_calls(c, tools)]
-    return [*tests, *(("read_file", r) for r in reads), *edits, *tests, ("submit", {})]
+    calls = [*tests, *(("read_file", r) for r in reads), *edits, *tests, ("submit", {})]
+    return calls, summary_text(changes, bool(tests))
 
 
 def _changes(task: Task, before: Path, after: Path) -> list[FileChange]:
@@ -207,22 +236,26 @@ def _changes(task: Task, before: Path, after: Path) -> list[FileChange]:
 # playing and recording
 
 
-def assistant_call(name: str, arguments: dict, index: int) -> dict:
+def assistant_call(name: str, arguments: dict, index: int, text: str = "") -> dict:
     call = {"id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": arguments}}
-    return {"role": "assistant", "content": "", "tool_calls": [call]}
+    return {"role": "assistant", "content": text, "tool_calls": [call]}
 
 
-def play(task: Task, calls: list[tuple[str, dict]], sandbox: Sandbox, config: DemoConfig) -> dict:
-    """Carry out `calls` in a CodingEnv, one per turn; the solve record, if the episode earns reward 1."""
+def play(task: Task, calls: list[tuple[str, dict]], summary: str, sandbox: Sandbox, config: DemoConfig) -> dict:
+    """Carry out `calls` in a CodingEnv, one per turn, the `submit` turn with the text `summary`; the solve
+    record, if the episode earns reward 1 and no turn is flagged (but for output cut at the limit)."""
     fmt = get_format(config.format)
     with CodingEnv(sandbox, fmt, config.env_config(task, len(calls))) as env:
         messages = env.reset(task)[1:]   # the tools message becomes the record's `tools`
         info: dict = {}
+        flagged = []            # (turn, name, flag): a demonstration must not show what a hint corrects
         for k, (name, arguments) in enumerate(calls):
             if env.done:
                 raise DemoSkip(f"the episode ended after {k} of {len(calls)} calls")
-            observation, done, info = env.step(fmt.render_call(name, arguments, k))
-            messages.append(assistant_call(name, arguments, k))
+            text = summary if name == "submit" else ""
+            observation, done, info = env.step(text + fmt.render_call(name, arguments, k))
+            flagged += [(k + 1, name, f) for f in info["flags"] if f.kind != OUTPUT_LIMIT]
+            messages.append(assistant_call(name, arguments, k, text))
             if not done:
                 if [m["role"] for m in observation] != ["tool"]:
                     raise DemoSkip(f"turn {k + 1} ({name}) did not get one tool result: {observation!r:.200}")
@@ -232,6 +265,9 @@ def play(task: Task, calls: list[tuple[str, dict]], sandbox: Sandbox, config: De
             check = info.get("check", {})
             why = check.get("detail") or f"failed {', '.join(check.get('failed', [])[:3]) or 'nothing'}"
             raise DemoSkip(f"the solve trajectory earns reward {reward} ({why})")
+        if flagged:
+            turn, name, flag = flagged[0]
+            raise DemoSkip(f"turn {turn} ({name}) is flagged: {flag.kind}: {flag.detail}")
         return {"task": task.id, "kind": "solve", "tools": [t.schema() for t in env.tools], "messages": messages}
 
 
@@ -320,7 +356,7 @@ def write_demos(tasks_dir: str | Path, out_path: str | Path, config: DemoConfig 
 
     def solve(task: Task) -> dict | str:
         try:
-            return play(task, solution_calls(task, sandbox, config), sandbox, config)
+            return play(task, *solution_calls(task, sandbox, config), sandbox, config)
         except (DemoSkip, SandboxError, OSError) as e:
             return str(e) or type(e).__name__
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from composer_jax.envs.feedback import Flag, hint_for
 from composer_jax.envs.rewards import EpisodeStats, RewardConfig, compose_reward
+from composer_jax.envs.signals import SIGNAL_COUNTS
 from composer_jax.envs.tools import CallRecord
 
 
@@ -88,14 +89,16 @@ class TokenEpisode:
         turns kept as they were played; `info["context_full"]` says so, and the calls the environment
         carried out are counted (a coding env keeps them in `stats`)."""
         counts = {"tool_calls": 0, "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0, "tests_failed_runs": 0,
-                  **getattr(self.env, "stats", {})}
+                  **dict.fromkeys(SIGNAL_COUNTS.values(), 0), **getattr(self.env, "stats", {})}
         self.done, self.info = True, {"turns": len(self.turns), "task_reward": 0.0, "context_full": True, **counts}
         self._finish()
 
     def _finish(self) -> None:
         info = self.info
+        # the signals' counts: from an environment that reads them (the coding env), else none
         stats = EpisodeStats(turns=info["turns"], generated_tokens=sum(self.generated), tool_calls=info["tool_calls"],
-                             failed_calls=info["failed_calls"], malformed_turns=info["malformed_turns"])
+                             failed_calls=info["failed_calls"], malformed_turns=info["malformed_turns"],
+                             **{key: info.get(key, 0) for key in SIGNAL_COUNTS.values()})
         self.reward_terms = compose_reward(info["task_reward"], stats, self.rewards, self.train_step)
         info["reward"] = self.reward_terms["total"]
 

@@ -3,7 +3,20 @@
 Targeted feedback (Composer 2.5): for a flagged assistant turn, a hint describing the desired
 improvement is inserted into the context before the turn; the policy with the hint is the teacher,
 the policy without it the student (shared/reference/rl.md section 1.4). Each flag kind has one hint
-builder; `hint_for(flags, ...)` joins the hints of a turn's flags into one text.
+builder; `hint_for(flags, ...)` joins the hints of a turn's flags into one text. The kinds:
+
+    unknown_tool        a call of a tool the episode does not declare
+    malformed_call      malformed JSON or call syntax
+    invalid_arguments   missing, unexpected or mistyped arguments
+    repeated_call       the same call with the same result several times running
+    test_file_edit      a call that wrote to a test file
+    output_limit        a tool output cut at the limit
+    no_action           no tool call and no answer
+    style               lint findings the turn's own edits added (envs.signals)
+    communication       a final message that claims what did not happen, says nothing of the change, or
+                        runs long
+    redundant_call      a read, listing or search whose result the agent already had
+    wrong_tool          `run` doing what a declared tool does (sed -i, echo > file, cat, ls, grep)
 """
 
 from __future__ import annotations
@@ -14,14 +27,18 @@ from collections.abc import Callable, Sequence
 from composer_jax.envs import protocol
 
 UNKNOWN_TOOL = "unknown_tool"
-MALFORMED_CALL = "malformed_call"            # malformed JSON or call syntax
-INVALID_ARGUMENTS = "invalid_arguments"      # missing, unexpected or mistyped arguments
-REPEATED_CALL = "repeated_call"              # the same call with the same result several times running
+MALFORMED_CALL = "malformed_call"
+INVALID_ARGUMENTS = "invalid_arguments"
+REPEATED_CALL = "repeated_call"
 TEST_FILE_EDIT = "test_file_edit"
 OUTPUT_LIMIT = "output_limit"
-NO_ACTION = "no_action"                      # no tool call and no answer
+NO_ACTION = "no_action"
+STYLE = "style"
+COMMUNICATION = "communication"
+REDUNDANT_CALL = "redundant_call"
+WRONG_TOOL = "wrong_tool"
 FLAG_KINDS = (UNKNOWN_TOOL, MALFORMED_CALL, INVALID_ARGUMENTS, REPEATED_CALL, TEST_FILE_EDIT, OUTPUT_LIMIT,
-              NO_ACTION)
+              NO_ACTION, STYLE, COMMUNICATION, REDUNDANT_CALL, WRONG_TOOL)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +72,11 @@ HINT_BUILDERS: dict[str, Callable[[Flag, HintContext], str]] = {
                                 "narrow the command."),
     NO_ACTION: lambda f, c: (f"Reminder: answer with a tool call, e.g. {c.call_example}, and submit when done."
                              if c.tool_names else "Reminder: reply with the answer only."),
+    # the details of these four are written to complete the sentence (envs.signals)
+    STYLE: lambda f, c: f"Your edit added lint findings: {f.detail}; fix them.",
+    COMMUNICATION: lambda f, c: f"Your final message {f.detail}.",
+    REDUNDANT_CALL: lambda f, c: f"You already {f.detail}: use what you have instead of asking again.",
+    WRONG_TOOL: lambda f, c: f"Use {f.detail} in run.",
 }
 
 

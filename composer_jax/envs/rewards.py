@@ -1,13 +1,16 @@
 """Reward composition: task reward plus auxiliary terms whose weights may change by training step.
 
 R = task_reward - w_fail * failed_calls + w_format * well_formed_fraction - w_len * C(x)
+    - w_style * style_findings - w_communication * communication_issues - w_effort * redundant_calls
+    - w_wrong_tool * wrong_tool_calls
 with the concave length penalty C(x) = ((1 + k x)^(1 - q) - 1) / (k (1 - q)) (Composer 2 report, via
 shared/reference/rl.md section 1.2; its q -> 1 limit is log(1 + k x) / k), where x weighs generated
-tokens, tool calls and turns. Weights are `Schedule`s: rules are adjusted as new behaviours appear, so
-a weight can switch on (or change) at a given training step.
+tokens, tool calls and turns; the last four terms count the signals Composer names (envs.signals).
+Weights are `Schedule`s: rules are adjusted as new behaviours appear, so a weight can switch on (or
+change) at a given training step.
 
 `RewardConfig` is a typed config like the others (`composer_jax.config.from_dict` reads it from YAML):
-a weight is a number or a list of [step, value] pairs; an unknown component (`rewards.style_weight`)
+a weight is a number or a list of [step, value] pairs; an unknown component (`rewards.tone_weight`)
 or a bad value is a `ConfigError` naming the dotted key.
 """
 
@@ -85,6 +88,10 @@ class EpisodeStats:
     tool_calls: int = 0
     failed_calls: int = 0        # calls that did not parse or validate, or that failed when carried out
     malformed_turns: int = 0     # turns with a call that did not parse or validate
+    style_findings: int = 0      # lint findings the agent's edits added
+    communication_issues: int = 0    # what is wrong with the final message
+    redundant_calls: int = 0     # reads, listings and searches whose result the agent already had
+    wrong_tool_calls: int = 0    # `run` commands doing a declared tool's job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +99,10 @@ class RewardConfig:
     failed_call_weight: Schedule = Schedule()
     format_weight: Schedule = Schedule()
     length_weight: Schedule = Schedule()
+    style_weight: Schedule = Schedule()
+    communication_weight: Schedule = Schedule()
+    effort_weight: Schedule = Schedule()
+    wrong_tool_weight: Schedule = Schedule()
     length_k: float = 1e-3
     length_q: float = 0.5
     # x = length_tokens * generated tokens + length_calls * tool calls + length_turns * turns
@@ -100,7 +111,8 @@ class RewardConfig:
     length_turns: float = 0.0
 
     def __post_init__(self):
-        for name in ("failed_call_weight", "format_weight", "length_weight"):
+        for name in ("failed_call_weight", "format_weight", "length_weight", "style_weight", "communication_weight",
+                     "effort_weight", "wrong_tool_weight"):
             object.__setattr__(self, name, Schedule.from_config(getattr(self, name), name))
         if not self.length_k > 0:
             raise RewardConfigError("length_k", f"must be > 0, got {self.length_k}")
@@ -112,7 +124,8 @@ class RewardConfig:
 
 
 def compose_reward(task_reward: float, stats: EpisodeStats, config: RewardConfig, step: int = 0) -> dict[str, float]:
-    """{'task', 'failed_calls', 'format', 'length', 'total'}: each term as added to the total."""
+    """{'task', 'failed_calls', 'format', 'length', 'style', 'communication', 'effort', 'wrong_tool', 'total'}:
+    each term as added to the total."""
     x = (config.length_tokens * stats.generated_tokens + config.length_calls * stats.tool_calls
          + config.length_turns * stats.turns)
     well_formed = 1.0 - stats.malformed_turns / stats.turns if stats.turns else 1.0
@@ -121,6 +134,10 @@ def compose_reward(task_reward: float, stats: EpisodeStats, config: RewardConfig
         "failed_calls": -config.failed_call_weight(step) * stats.failed_calls,
         "format": config.format_weight(step) * well_formed,
         "length": -config.length_weight(step) * length_penalty(x, config.length_k, config.length_q),
+        "style": -config.style_weight(step) * stats.style_findings,
+        "communication": -config.communication_weight(step) * stats.communication_issues,
+        "effort": -config.effort_weight(step) * stats.redundant_calls,
+        "wrong_tool": -config.wrong_tool_weight(step) * stats.wrong_tool_calls,
     }
     terms["total"] = sum(terms.values())
     return terms

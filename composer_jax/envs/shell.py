@@ -1,6 +1,7 @@
-"""Reading shell command lines the agent's `run` calls carry: their simple commands, each command's
-program and arguments, python's `-m` / `-c`, and whether a line runs tests. Words only, never executed
-(the reward-hacking monitor and the environment's flags read commands through these)."""
+"""Reading shell command lines the agent's `run` calls carry: their pipelines and simple commands, each
+command's program, arguments, operands and redirections, python's `-m` / `-c`, and whether a line runs
+tests. Words only, never executed (the reward-hacking monitor and the environment's flags read commands
+through these)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,81 @@ ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=.*")
 WRAPPERS = {"sudo", "env", "nice", "time", "command", "exec", "xargs", "nohup", "stdbuf"}
 TEST_RUNNERS = {"pytest", "py.test", "tox", "nox", "nosetests", "trial"}
 TEST_MODULES = {"pytest", "unittest", "nose", "nose2", "tox", "nox", "doctest"}
+REDIRECTION = re.compile(r"(\d*|&)(<<<|<<-?|<>|<&|<|>>|>&|>\||>)(.*)")   # [descriptor] operator [target]
 
 
-def segments(command: str) -> list[list[str]]:
-    """Simple commands (word lists) of a shell command line, split at ; && || | & ( ) and newlines."""
+def pipelines(command: str) -> list[list[list[str]]]:
+    """The pipelines of a shell command line, split at ; && || & ( ) and newlines, each a list of its simple
+    commands (word lists), split at | and |&. A redirection to a descriptor (`2>&1`) stays one word."""
     lexer = shlex.shlex(command.replace("\n", " ; "), posix=True, punctuation_chars=";&|()")
     lexer.whitespace_split = True
     try:
         tokens = list(lexer)
     except ValueError:                  # unbalanced quotes: fall back to whitespace words
         tokens = command.split()
-    parts = [[]]
-    for token in tokens:
-        if set(token) <= set(";&|()"):
-            parts.append([])
+    words, i = [], 0
+    while i < len(tokens):              # the lexer cuts `2>&1` and `&>file` at their '&': join them again
+        token, following = tokens[i], tokens[i + 1] if i + 1 < len(tokens) else ""
+        if token == "&" and following and words and words[-1].endswith((">", "<")):    # 2>&1
+            words[-1] += token + following
+            i += 2
+        elif token == "&" and following.startswith(">"):                               # &>file
+            words.append(token + following)
+            i += 2
         else:
-            parts[-1].append(token)
-    return [s for s in parts if s]
+            words.append(token)
+            i += 1
+    lines, pipeline, current = [], [], []
+    for word in words:
+        if set(word) <= set(";&|()"):
+            pipeline.append(current)
+            current = []
+            if word not in ("|", "|&"):
+                lines.append(pipeline)
+                pipeline = []
+        else:
+            current.append(word)
+    lines.append(pipeline + [current])
+    return [p for p in ([s for s in pipeline if s] for pipeline in lines) if p]
+
+
+def segments(command: str) -> list[list[str]]:
+    """Simple commands (word lists) of a shell command line, split at ; && || | & ( ) and newlines."""
+    return [words for pipeline in pipelines(command) for words in pipeline]
+
+
+def redirections(words: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """A simple command's words without its redirections, and the redirections as (operator with its
+    descriptor, e.g. '>', '2>', '>>', '&>', '<<', '2>&'; target: a file, a descriptor, a here-document's
+    delimiter)."""
+    rest, found = [], []
+    i = 0
+    while i < len(words):
+        match = REDIRECTION.fullmatch(words[i])
+        if match is None:
+            rest.append(words[i])
+        elif match[3]:
+            found.append((match[1] + match[2], match[3]))
+        else:                           # the target is the next word
+            found.append((match[1] + match[2], words[i + 1] if i + 1 < len(words) else ""))
+            i += 1
+        i += 1
+    return rest, found
+
+
+def operands(args: list[str], valued: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """The operands among a command's arguments: not options, nor the values of the options in `valued`
+    (`-n 5`); everything after `--`; a lone `-` (standard input) is an operand."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == "--":
+            return out + args[i + 1:]
+        if args[i].startswith("-") and args[i] != "-":
+            i += 1 + (args[i] in valued)
+        else:
+            out.append(args[i])
+            i += 1
+    return out
 
 
 def program_of(words: list[str]) -> tuple[str, list[str]]:

@@ -13,6 +13,7 @@ import random
 
 from composer_jax.envs.feedback import NO_ACTION, Flag, HintContext, flags_for_errors
 from composer_jax.envs.protocol import Param, ToolFormat, ToolSpec, parse_turn
+from composer_jax.envs.signals import SIGNAL_COUNTS
 
 SUBMIT = ToolSpec("submit", "Give the final answer.", {"answer": Param("string", "the answer")})
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -92,5 +93,5 @@ class ToyEnv:
         reward = float(answer is not None and answer.strip() == self.task.answer)
         return [], True, {"turn": 1, "flags": flags, "task_reward": reward, "turns": 1,
                           "tool_calls": int(self.use_tool and answer is not None), "invalid_calls": failed,
-                          "failed_calls": failed,
-                          "malformed_turns": int(bool(failed))}
+                          "failed_calls": failed, "malformed_turns": int(bool(failed)),
+                          **dict.fromkeys(SIGNAL_COUNTS.values(), 0)}

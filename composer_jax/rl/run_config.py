@@ -103,20 +103,25 @@ class EnvConfig:
     tools: tuple[str, ...] = ()
     max_output_chars: int = 0       # coding: a tool result is cut to this many characters (0: init_from's, else 4000)
     repeat_limit: int = 3           # coding: the same call with the same result this many times running is flagged
+    # coding: the signals that flag turns (style, communication, effort, wrong_tool; each counted either way)
+    signals: tuple[str, ...] = CodingEnvConfig.signals
+    max_final_chars: int = CodingEnvConfig.max_final_chars   # coding: a longer final message is flagged
+    lint_edits: bool = CodingEnvConfig.lint_edits            # coding: lint each turn's edits (the style signal)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ConfigError("family", f"must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        for name in ("length", "tasks", "max_turns"):
+        for name in ("length", "tasks", "max_turns", "max_final_chars"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         for name in ("eval_tasks", "max_output_chars"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
-        try:
-            CodingEnvConfig(tools=self.tools or TOOL_NAMES)
-        except ValueError as e:
-            raise ConfigError("tools", str(e).split(": ", 1)[-1]) from None
+        for key, value in (("tools", self.tools or TOOL_NAMES), ("signals", self.signals)):
+            try:
+                CodingEnvConfig(**{key: value})
+            except ValueError as e:
+                raise ConfigError(key, str(e).split(": ", 1)[-1]) from None
         if self.repeat_limit < 2:
             raise ConfigError("repeat_limit", f"must be >= 2, got {self.repeat_limit}")
         if self.kind == "coding" and not (self.tasks_dir or self.repo):
@@ -128,7 +133,8 @@ class EnvConfig:
         default = CodingEnvConfig()
         return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars or
                                default.max_output_chars, tools=self.tools or default.tools,
-                               repeat_limit=self.repeat_limit)
+                               repeat_limit=self.repeat_limit, signals=self.signals,
+                               max_final_chars=self.max_final_chars, lint_edits=self.lint_edits)
 
     def agent(self, rollout: RolloutConfig) -> dict:
         """The agent settings a run records (model_dirs.AGENT_KEYS): what `eval` of the run uses."""
