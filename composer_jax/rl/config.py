@@ -32,7 +32,10 @@ class RLConfig:
     kl_estimator: Literal["k1_reward", "k2_loss"] = "k1_reward"   # both have the reverse-KL gradient
     entropy_coef: float = 0.0           # alpha: full-vocabulary entropy bonus
     sd_coef: float = 1.0                # lambda_sd: self-distillation on flagged turns
-    sd_divergence: Literal["reverse_kl", "forward_kl", "jsd", "sampled_token"] = "reverse_kl"
+    # forward KL (cross-entropy to the hinted teacher) raises a token the student gives ~0 probability; reverse
+    # KL's gradient vanishes with that probability, so a confidently wrong first token is never corrected
+    # (tests/test_rl_oracle.py, the oracle-hint check)
+    sd_divergence: Literal["reverse_kl", "forward_kl", "jsd", "sampled_token"] = "forward_kl"
     sd_jsd_beta: float = 0.5
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
     # The teacher's parameters: the policy's own (live, under stop-gradient) or those it had when RL began
