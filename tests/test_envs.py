@@ -18,6 +18,7 @@ from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import (FLAG_KINDS, HINT_BUILDERS, TOOL_NAMES, TOOLS, CodingEnv, CodingEnvConfig, EpisodeStats,
                                Flag, KimiFormat, PlainFormat, RewardConfig, Schedule, TokenEpisode, ToyEnv,
                                compose_reward, get_format, hint_for, length_penalty, parse_turn, rollout_fields,
+                               teacher_windows,
                                toy_tasks)
 from composer_jax.envs.rewards import RewardConfigError
 from composer_jax.sandbox import Sandbox
@@ -259,6 +260,31 @@ def test_failing_tests_are_information_not_a_failed_call(sandbox, example_task):
     obs, _, info = env.step(fmt.render_call("run", {"command": "sleep 30"}))
     assert "limits hit: wall" in obs[0]["content"] and env.stats["failed_calls"] == 1
     env.close()
+
+
+def test_every_flagged_turn_teaches_up_to_the_slots_and_cut_windows_are_counted(sandbox, example_task):
+    """Three flagged turns (an unknown tool each time): two slots take the first two whole, the third is
+    left out; a window too short for the second turn cuts it; the RL metrics count both."""
+    from composer_jax.rl.rollout import rollout_metrics
+
+    fmt = PlainFormat()
+    with CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=3)) as env:
+        ep = TokenEpisode(env, BYTES)
+        ep.start(example_task)
+        for tool in ("grep", "find_the_definition_of_scaled_sum", "cat"):
+            ep.step(BYTES.encode(fmt.render_call(tool, {"pattern": "scaled_sum"}) + fmt.end_of_turn))
+    assert ep.done and all(t.flags for t in ep.turns)
+    hints = [len(ep.hint_ids(t)) for t in ep.turns]
+    whole = max(h + t.end - t.start for h, t in zip(hints, ep.turns))
+    windows, left_out = teacher_windows(ep, 2, whole)
+    assert [(turn, end) for turn, _, end in windows] == [(t, t.end) for t in ep.turns[:2]] and left_out == 1
+    short = hints[1] + ep.turns[0].end - ep.turns[0].start       # the first turn fits, the longer second is cut
+    windows, _ = teacher_windows(ep, 3, short)
+    assert [end < turn.end for turn, _, end in windows] == [False, True, False]
+    batch = rollout_fields([ep], [0], seq_len=len(ep.tokens), slots=3, window=short)
+    assert [(m >= 0).sum() for m in batch["teacher_map"][0]] == [end - turn.start for turn, _, end in windows]
+    metrics = rollout_metrics([types.SimpleNamespace(episode=ep, reward=ep.reward)], 1.0, 1.0, 2, short)
+    assert (metrics["sd_windows"], metrics["sd_windows_cut"], metrics["sd_turns_left_out"]) == (2.0, 1.0, 1.0)
 
 
 def test_a_tool_subset_is_all_the_agent_sees_and_may_call(sandbox, example_task):

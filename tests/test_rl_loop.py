@@ -157,7 +157,7 @@ def test_sigkill_then_restart_continues(tmp_path):
 
 @pytest.mark.parametrize("overrides, key", [
     (["rollout.batch_size=10", "rl.group_size=4"], "rollout.batch_size"),
-    (["rewards.style_weight=1"], "rewards.style_weight"),
+    (["rewards.tone_weight=1"], "rewards.tone_weight"),                 # no such reward term
     (["env.kind=coding", "env.tasks_dir={empty}"], "env.tasks_dir"),
     (["env.kind=coding", "env.tasks_dir={empty}", "env.tools=[run]"], "env.tools"),
     (["init_from={empty}"], "init_from"),                          # a source that is not a model

@@ -4,7 +4,7 @@ tool) and the lint they use, reward composition, token-level episodes, the rewar
 Host-side: uses `composer_jax.tasks` and `composer_jax.sandbox`, never jax."""
 
 from composer_jax.envs.coding import CodingEnv, CodingEnvConfig
-from composer_jax.envs.episode import TokenEpisode, Turn, rollout_fields
+from composer_jax.envs.episode import TokenEpisode, Turn, rollout_fields, teacher_windows
 from composer_jax.envs.feedback import FLAG_KINDS, HINT_BUILDERS, Flag, HintContext, hint_for
 from composer_jax.envs.monitor import (DETECTORS, Monitor, MonitorConfig, Report, cut_examples, monitor_counts,
                                       write_examples)
@@ -18,4 +18,5 @@ __all__ = ["DETECTORS", "FLAG_KINDS", "HINT_BUILDERS", "TOOLS", "TOOL_NAMES", "C
            "CodingEnvConfig", "EpisodeStats", "Flag", "HintContext", "KimiFormat", "Monitor", "MonitorConfig",
            "ParsedTurn", "PlainFormat", "Report", "RewardConfig", "Schedule", "TokenEpisode", "ToolCall", "ToolFormat",
            "ToolSpec", "ToyEnv", "ToyTask", "Turn", "WorkspaceTools", "compose_reward", "cut_examples", "get_format", "hint_for",
-           "length_penalty", "monitor_counts", "parse_turn", "rollout_fields", "toy_tasks", "write_examples"]
+           "length_penalty", "monitor_counts", "parse_turn", "rollout_fields", "teacher_windows", "toy_tasks",
+           "write_examples"]

@@ -144,7 +144,7 @@ class CodingEnv:
         observation = []
         for error in parsed.errors:
             self.stats["failed_calls"] += 1
-            self._repeat(f"{error.kind}:{error.message}", "a malformed call", error.message, flags)
+            self._repeat(f"{error.kind}:{error.message}", "a call failing the same way", error.message, flags)
             observation.append({"role": "tool", "name": error.call_id, "content": f"error: {error.message}"})
         if parsed.errors:
             self.stats["malformed_turns"] += 1

@@ -113,13 +113,28 @@ class TokenEpisode:
         return np.asarray(self.tokenizer.encode(self.fmt.hint_insert(turn.hint)), np.int32)
 
 
+def teacher_windows(ep: TokenEpisode, slots: int, window: int) -> tuple[list[tuple[Turn, np.ndarray, int]], int]:
+    """The teacher windows of a finished episode: its first `slots` flagged turns whose hint leaves room in
+    a window of `window` tokens, each (turn, hint ids, end) with `end` the turn's end cut to fit (end <
+    turn.end: a cut window); and how many flagged turns got no window (no slot left, or no room)."""
+    windows, left_out = [], 0
+    for turn in (t for t in ep.turns if t.hint):
+        hint = ep.hint_ids(turn)
+        end = min(turn.end, turn.start + window - len(hint))
+        if len(windows) == slots or end <= turn.start:
+            left_out += 1
+        else:
+            windows.append((turn, hint, end))
+    return windows, left_out
+
+
 def rollout_fields(episodes: Sequence[TokenEpisode], group_ids: Sequence[int], *, seq_len: int, slots: int = 0,
                    window: int = 0) -> dict[str, np.ndarray]:
     """Finished episodes -> RolloutBatch fields (B = len(episodes), S = seq_len, K = slots, T = window).
 
     Rows: the trajectory then right padding. The first `slots` flagged turns of each row get a teacher
-    slot: the hint tokens, then the turn's tokens (cut to fit the window), mapped to their student
-    positions; later flagged turns get none, nor does one whose hint leaves no room in the window. With slots = 0 there are no teacher fields.
+    slot (`teacher_windows`): the hint tokens, then the turn's tokens (cut to fit the window), mapped to
+    their student positions. With slots = 0 there are no teacher fields.
     """
     if len(group_ids) != len(episodes):
         raise ValueError(f"{len(group_ids)} group ids for {len(episodes)} episodes")
@@ -142,15 +157,9 @@ def rollout_fields(episodes: Sequence[TokenEpisode], group_ids: Sequence[int], *
         tokens[row, :n], segments[row, :n] = ep.tokens[:n], 1
         generated[row, :n], logprobs[row, :n] = ep.generated[:n], ep.logprobs[:n]
         rewards[row] = ep.reward
-        slot = 0
-        for turn in (t for t in ep.turns if t.hint):
-            hint = ep.hint_ids(turn)
-            end = min(turn.end, turn.start + window - len(hint))
-            if slot == slots or end <= turn.start:    # no slot left, or a hint that leaves no room: no teacher
-                continue
+        for slot, (turn, hint, end) in enumerate(teacher_windows(ep, slots, window)[0]):
             t_tokens[row, slot, :len(hint) + end - turn.start] = np.concatenate([hint, tokens[row, turn.start:end]])
             t_map[row, slot, len(hint):len(hint) + end - turn.start] = np.arange(turn.start, end)
-            slot += 1
     positions = np.where(segments > 0, np.arange(seq_len)[None], 0).astype(np.int32)
     fields = dict(tokens=tokens, positions=positions, segment_ids=segments, generated=generated,
                   behaviour_logprobs=logprobs, rewards=rewards, group_ids=np.asarray(group_ids, np.int32))

@@ -65,8 +65,8 @@ HINT_BUILDERS: dict[str, Callable[[Flag, HintContext], str]] = {
     UNKNOWN_TOOL: lambda f, c: f"Reminder: the available tools are {_tools(c)}; call only these.",
     MALFORMED_CALL: lambda f, c: f"Reminder: write each tool call exactly like {c.call_example} (valid JSON).",
     INVALID_ARGUMENTS: lambda f, c: f"Reminder: check the tool's arguments ({f.detail}).",
-    REPEATED_CALL: lambda f, c: (f"You made this exact call several times running and got the same result "
-                                 f"({f.detail}); repeating it will not change that: try something different."),
+    REPEATED_CALL: lambda f, c: (f"Your last calls repeated one another with the same result ({f.detail}); "
+                                 f"repeating it will not change that: try something different."),
     TEST_FILE_EDIT: lambda f, c: f"Do not edit the tests ({f.detail}); change the code so that they pass.",
     OUTPUT_LIMIT: lambda f, c: (f"Tool output is cut after {c.max_output_chars} characters: read line ranges or "
                                 "narrow the command."),

@@ -36,7 +36,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from composer_jax.config import ConfigError
-from composer_jax.envs import Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields
+from composer_jax.envs import (Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields,
+                               teacher_windows)
 from composer_jax.envs.feedback import FLAG_KINDS, NO_ACTION
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.eval.episode import attempt_seed, play
@@ -91,7 +92,7 @@ def engine_sampling(cfg: RLRunConfig, task_ids, engine: int = 0,
 def group_assembler(cfg: RLRunConfig, sampler: TaskSampler) -> GroupAssembler:
     """The run's group assembler: groups with equal rewards are kept for their hinted turns when the
     step trains on them (self-distillation on, teacher slots in the batch)."""
-    feedback = carries_feedback if cfg.rl.sd_coef > 0 and cfg.rollout.feedback_slots else None
+    feedback = carries_feedback if cfg.teacher_slots else None
     return GroupAssembler(cfg.rl.group_size, sampler, on_lost=cfg.rollout.on_lost,
                           max_refills=cfg.rollout.max_refills, feedback=feedback)
 
@@ -152,9 +153,9 @@ def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.nd
     r, g = cfg.rollout, cfg.rl.group_size
     rollouts = [s.rollout for group in groups for s in sorted(group.samples, key=lambda s: s.rollout.sample)]
     fields = rollout_fields([x.episode for x in rollouts], np.arange(len(rollouts)) // g, seq_len=r.max_len,
-                            slots=r.feedback_slots, window=r.feedback_window)
+                            slots=cfg.teacher_slots, window=r.feedback_window)
     fields["rewards"] = np.array([x.reward for x in rollouts], np.float32)
-    pad = padding_rows(r.batch_size - len(rollouts), r.max_len, len(groups), g, r.feedback_slots, r.feedback_window)
+    pad = padding_rows(r.batch_size - len(rollouts), r.max_len, len(groups), g, cfg.teacher_slots, r.feedback_window)
     fields = {k: np.concatenate([fields[k], pad[k]]) for k in pad}
     versions = np.full((2, r.batch_size), -1, np.int64)
     for row, x in enumerate(rollouts):
@@ -163,13 +164,16 @@ def assemble(groups: list[Group], cfg: RLRunConfig) -> tuple[RolloutBatch, np.nd
     return RolloutBatch(**fields), versions
 
 
-def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float) -> dict:
+def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: float, slots: int = 0,
+                    window: int = 0) -> dict:
     """Means over the batch's finished episodes: rewards and their components, pass rate, tool calls
     carried out per episode and the share of calls that failed (invalid, or not carried out: envs.tools),
     test runs that reported failures per episode (successful calls, apart from the errors), the share of
     turns that used the tools wrongly (a call that did not parse or validate, or no call at all: a policy
     that stops calling has no failed calls, but every turn counts here), flagged turns and the share of
-    turns flagged per kind (`flag_<kind>`), response length; rollout tokens per second."""
+    turns flagged per kind (`flag_<kind>`), response length; rollout tokens per second. With teacher
+    slots (`slots` of `window` tokens): the flagged turns that teach (`sd_windows`), those whose window
+    cut the turn (`sd_windows_cut`) and those left without a window (`sd_turns_left_out`), per batch."""
     if not rollouts:
         return {"rollouts": 0.0, "rollout_s": wall_s}
     terms = [x.episode.reward_terms for x in rollouts]
@@ -187,6 +191,11 @@ def rollout_metrics(rollouts: list[Rollout], pass_threshold: float, wall_s: floa
            "flagged_turns": float(sum(bool(t.flags) for t in turns)),
            "response_length_mean": float(np.mean(generated)), "rollout_s": wall_s,
            "rollout_tokens_per_s": sum(generated) / max(wall_s, 1e-9)}
+    if slots:
+        windows = [teacher_windows(x.episode, slots, window) for x in rollouts]
+        out.update(sd_windows=float(sum(len(w) for w, _ in windows)),
+                   sd_windows_cut=float(sum(end < turn.end for w, _ in windows for turn, _, end in w)),
+                   sd_turns_left_out=float(sum(left for _, left in windows)))
     out.update({f"flag_{kind}": sum(any(f.kind == kind for f in t.flags) for t in turns) / max(len(turns), 1)
                 for kind in FLAG_KINDS})
     out.update({f"reward_{name}": float(np.mean([t[name] for t in terms])) for name in terms[0] if name != "total"})
@@ -386,7 +395,8 @@ class RolloutProducer:
         batch, versions = assemble(trainable, self.cfg)
         finished.sort(key=lambda x: (x.prompt.draw, x.sample))
         wall = time.perf_counter() - start
-        metrics = rollout_metrics(finished, self.cfg.sampler.pass_threshold, wall)
+        metrics = rollout_metrics(finished, self.cfg.sampler.pass_threshold, wall, self.cfg.teacher_slots,
+                                  self.cfg.rollout.feedback_window)
         metrics.update({f"groups_{k}": float(self.groups.counts[k] - before[k]) for k in COUNTS}, **failures)
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
         metrics.update(monitor_counts([x.report for x in finished]))

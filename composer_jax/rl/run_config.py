@@ -39,8 +39,10 @@ class RolloutConfig:
     timeout_s: float = 120.0        # an environment call (reset, step) running longer loses its rollout (it hung)
     on_lost: Literal["refill", "drop"] = "refill"   # a lost rollout: run one more for its group, or drop the group
     max_refills: int = 2            # refills per group before it is dropped
-    feedback_slots: int = 1         # teacher slots per trajectory (flagged turns with a hint)
-    feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn
+    # teacher slots per trajectory, each one flagged turn with its hint (0: one per turn an episode may play,
+    # env.max_turns, so every flagged turn teaches; the toy env plays one)
+    feedback_slots: int = 0
+    feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn (cut to fit: counted)
     # thread: the engine runs in the learner's process; directory: in its own (`composer-jax rl-engine`, same
     # config), exchanging weight versions and batches through files in exchange_dir (rl/exchange.py)
     transport: Literal["thread", "directory"] = "thread"
@@ -184,10 +186,17 @@ class RLRunConfig:
             raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories per step are not a whole "
                                                     f"number of groups of rl.group_size={self.rl.group_size}")
         check_fits_model("rollout.max_len", self.rollout.max_len, self.model)
-        if self.rl.sd_coef > 0 and self.rollout.feedback_slots:   # a teacher slot is a sequence of its own
+        if self.teacher_slots:   # a teacher slot is a sequence of its own
             check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
+
+    @property
+    def teacher_slots(self) -> int:
+        """Teacher slots per row of the step's batch (0: self-distillation is off)."""
+        if not self.rl.sd_coef > 0:
+            return 0
+        return self.rollout.feedback_slots or (self.env.max_turns if self.env.kind == "coding" else 1)
 
     @property
     def prompts_per_step(self) -> int:
