@@ -77,9 +77,8 @@ def _answer_logprobs(model, tokens, mask):
     return (logp * mask[:, 1:]).sum(-1)
 
 
-@pytest.fixture(scope="module")
-def hint_reader():
-    """A tiny model that answers right after the oracle hint and wrong without it."""
+def train_hint_reader() -> CausalLM:
+    """A tiny model that answers right after the oracle hint and wrong without it (150 Adam steps)."""
     cfg = config.replace(load_config("tiny"), **{
         "num_layers": 2, "moe.n_routed_experts": 4, "moe.num_experts_per_tok": 2, "moe.n_group": 1,
         "moe.topk_group": 1, "moe.dispatch": "dense", "mtp.num_layers": 0, "rope.factor": 1,
@@ -97,12 +96,28 @@ def hint_reader():
 
     for _ in range(150):
         train(model, optimizer)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hint_reader():
+    model = train_hint_reader()
     hinted, unhinted = (float(_answer_logprobs(model, *rows).mean()) for rows in (CORRECT_HINTED, CORRECT_UNHINTED))
     assert hinted > -1.0 and unhinted < -4.0, (hinted, unhinted)
     return model
 
 
-def _copy(model: CausalLM) -> CausalLM:
+def first_token_wrong(model: CausalLM) -> list[bool]:
+    """Per task: whether the model's most likely first answer token without the hint is not the correct one."""
+    prompts = [_prompt(t) for t in TASKS]
+    tokens = np.zeros((len(prompts), 80), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    best = np.argmax(np.asarray(_next_logits(model, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts]))), -1)
+    return [int(b) != _ids(t.answer)[0] for b, t in zip(best, TASKS)]
+
+
+def copy_model(model: CausalLM) -> CausalLM:
     """A model with the same weights in buffers of its own (the RL step donates them)."""
     fresh = CausalLM(model.cfg, rngs=nnx.Rngs(1))
     nnx.update(fresh, jax.tree.map(jnp.copy, nnx.state(model)))
@@ -149,22 +164,23 @@ def _flagged_batch(turns) -> RolloutBatch:
     return RolloutBatch(**fields)
 
 
-def _distil(model: CausalLM, **rl) -> tuple[list[float], list[float]]:
-    """STEPS RL steps of self-distillation alone; the mean log-probability of the correct turn without the
-    hint, and with it, before each step and after the last."""
+def distil(model: CausalLM, lr: float = 5e-5, **rl) -> tuple[np.ndarray, np.ndarray]:
+    """STEPS RL steps of self-distillation alone (RLConfig keys `rl`); the log-probability of the correct
+    turn of each task without the hint, and with it, before each step and after the last: f32[STEPS + 1,
+    tasks] each."""
     step = RLStep(model, RLConfig(group_size=GROUP, mtp_distill_weight=0.0, steps=STEPS,
-                                  optimizer=dataclasses.replace(rl_optimizer(), lr=5e-5), **rl))
+                                  optimizer=dataclasses.replace(rl_optimizer(), lr=lr), **rl))
     state, key = step.init_state(model), jax.random.key(0)
     unhinted, hinted = [], []
     for i in range(STEPS + 1):
         policy = nnx.merge(step.graphdef, state.params, state.biases, step.rest)
-        unhinted.append(float(_answer_logprobs(policy, *CORRECT_UNHINTED).mean()))
-        hinted.append(float(_answer_logprobs(policy, *CORRECT_HINTED).mean()))
+        unhinted.append(np.asarray(_answer_logprobs(policy, *CORRECT_UNHINTED)))
+        hinted.append(np.asarray(_answer_logprobs(policy, *CORRECT_HINTED)))
         if i < STEPS:
             key, sub = jax.random.split(key)
             state, metrics = step(state, _flagged_batch(_sample_turns(policy, sub)))
             assert float(metrics["sd_tokens"]) > 0
-    return unhinted, hinted
+    return np.stack(unhinted), np.stack(hinted)
 
 
 def test_the_teacher_sees_the_hint_before_the_students_turn(hint_reader):
@@ -198,12 +214,12 @@ def test_self_distillation_alone_raises_the_hinted_turn_step_by_step(hint_reader
     """Forward KL, live teacher: the correct turn's log-probability without the hint rises at every one
     of 20 steps (by over 2 nats), the teacher's (with the hint) stays; with the sign flipped it falls at
     every step."""
-    unhinted, hinted = _distil(_copy(hint_reader))
+    unhinted, hinted = (x.mean(-1) for x in distil(copy_model(hint_reader)))
     rises = np.diff(unhinted)
     assert (rises > 0).all() and unhinted[-1] - unhinted[0] > 2.0, np.round(unhinted, 3)
     assert abs(hinted[-1] - hinted[0]) < 0.5, np.round(hinted, 3)
 
     flip = losses.self_distillation_loss
     monkeypatch.setattr(losses, "self_distillation_loss", lambda *a, **k: -flip(*a, **k))
-    flipped, _ = _distil(_copy(hint_reader))
+    flipped = distil(copy_model(hint_reader))[0].mean(-1)
     assert (np.diff(flipped) < 0).all(), np.round(flipped, 3)
