@@ -243,6 +243,32 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tasks_dir, tmp_path):
     assert not out.exists() and not list(tmp_path.glob("*.partial"))
 
 
+def test_toy_recoveries_call_a_missing_tool_then_submit_as_the_env_answers():
+    """`--wrong-tool-share 0.5`: half the conversations first call the undeclared `answer` tool, get the
+    environment's own error and submit; played back through the env each earns its reward, with the first
+    turn flagged unknown_tool. The flag needs --use-tool and a share in [0, 1]."""
+    from composer_jax.envs import ToyEnv, toy_tasks
+    from composer_jax.envs.demos import DemoError, toy_demos
+
+    fmt = get_format("plain")
+    tasks = toy_tasks("add", 6, seed=5)
+    records = toy_demos(tasks, ToyEnv(fmt, use_tool=True, max_turns=2), wrong_tool_share=0.5, seed=1)
+    recoveries = [(r, t) for r, t in zip(records, tasks) if r["kind"] == "recovery"]
+    assert len(recoveries) == 3
+    for record, task in recoveries:
+        env = ToyEnv(fmt, use_tool=True, max_turns=2)
+        env.reset(task)
+        user, wrong, error, submit = record["messages"]
+        call = lambda m: fmt.render_call(m["tool_calls"][0]["function"]["name"],  # noqa: E731
+                                         m["tool_calls"][0]["function"]["arguments"])
+        observation, done, info = env.step(call(wrong))
+        assert observation[0]["content"] == error["content"] and [f.kind for f in info["flags"]] == ["unknown_tool"]
+        assert env.step(call(submit))[2]["task_reward"] == 1.0
+    for env, share, message in ((ToyEnv(fmt), 0.5, "needs --use-tool"), (ToyEnv(fmt, use_tool=True), 1.5, r"in \[0, 1\]")):
+        with pytest.raises(DemoError, match=message):
+            toy_demos(tasks, env, wrong_tool_share=share)
+
+
 def test_toy_demonstrations_show_the_prompt_and_the_teachers_hint_as_rl_sees_them():
     """`tasks demos toy:add --use-tool --hinted-share 0.5` on 4 tasks: a solve record renders as the toy
     env's RL prompt followed by its solving call (the only trained text); a hinted record's context before

@@ -595,6 +595,25 @@ def test_toy_env_with_the_submit_tool():
     assert [f.kind for f in info["flags"]] == ["unknown_tool"] and info["failed_calls"] == 1
 
 
+def test_toy_env_with_turns_to_recover_from_a_bad_call():
+    """With max_turns > 1 a turn without a valid submit call gets the error back and the agent may retry:
+    the mistake is flagged on its turn and the episode still earns its reward."""
+    fmt = PlainFormat()
+    env = ToyEnv(fmt, use_tool=True, max_turns=2)
+    task = toy_tasks("add", 1, seed=4)[0]
+    env.reset(task)
+    observation, done, info = env.step(fmt.render_call("answer", {"answer": task.answer}))
+    assert not done and [f.kind for f in info["flags"]] == ["unknown_tool"]
+    assert observation == [{"role": "tool", "name": "call_0", "content": "error: unknown tool 'answer'; available: submit"}]
+    observation, done, info = env.step(fmt.render_call("submit", {"answer": task.answer}))
+    assert done and info["task_reward"] == 1.0 and info["turns"] == 2 and info["failed_calls"] == 1
+    env.reset(task)
+    assert env.step("no call")[0] == [{"role": "user", "content": "No submit call found. Answer with the submit tool."}]
+    assert env.step("still none")[1] and env.stats["tool_calls"] == 0       # out of turns: ends unsolved
+    with pytest.raises(ValueError, match="max_turns"):
+        ToyEnv(fmt, use_tool=False, max_turns=2)
+
+
 def test_host_side_packages_do_not_import_jax():
     code = ("import sys, composer_jax.sandbox, composer_jax.tasks, composer_jax.envs, composer_jax.eval\n"
             "import composer_jax.cli\n"

@@ -77,7 +77,7 @@ def _run_tasks_demos(args) -> int:
                             hinted_share=args.hinted_share, seed=args.seed, workers=args.workers, backend=args.backend)
         if args.tasks_dir.startswith("toy:"):
             summary = write_toy_demos(args.tasks_dir, args.out, config, count=args.count, length=args.length,
-                                      use_tool=args.use_tool)
+                                      use_tool=args.use_tool, wrong_tool_share=args.wrong_tool_share)
         else:
             summary = write_demos(args.tasks_dir, args.out, config, log=lambda line: print(line, file=sys.stderr))
     except (DemoError, TaskError, SandboxError, SandboxUnavailable) as e:
@@ -141,6 +141,9 @@ def _add_tasks(sub) -> None:
     d.add_argument("--count", type=positive_int, default=256, help="toy: tasks drawn (default 256)")
     d.add_argument("--length", type=positive_int, default=3, help="toy: letters per word (default 3)")
     d.add_argument("--use-tool", action="store_true", help="toy: answer through a submit tool call")
+    d.add_argument("--wrong-tool-share", type=float, default=0.0, metavar="S",
+                   help="toy with --use-tool: share of the conversations that first call a tool that does not exist, "
+                        "then recover (default 0)")
     d.add_argument("--tools", default=None, metavar="a,b,c",
                    help="declared tools, comma-separated; must include submit and edit or write_file (default: all)")
     d.add_argument("--format", choices=("plain", "kimi"), default="plain", help="tool-call format (default plain)")

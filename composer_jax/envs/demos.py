@@ -388,10 +388,16 @@ def _write_records(records: list[dict], out: Path, skipped: tuple = ()) -> DemoS
     return DemoSummary(str(out), len(records), sum(r["kind"] == "hinted" for r in records), skipped)
 
 
-def toy_demos(tasks, env: ToyEnv, hinted_share: float = 0.0, seed: int = 0) -> list[dict]:
+WRONG_TOOL = "answer"    # the tool a toy recovery calls first: not declared (the env answers with the error)
+
+
+def toy_demos(tasks, env: ToyEnv, hinted_share: float = 0.0, seed: int = 0, wrong_tool_share: float = 0.0) -> list[dict]:
     """One conversation per toy task answering it as `env` expects (a `submit` call with `use_tool`, else
     the answer alone); `hinted_share` of them show the teacher's view before the answer after a mistake
-    the env flags (no answer; with the tool, also a call cut short), the mistakes alternating."""
+    the env flags (no answer; with the tool, also a call cut short), the mistakes alternating. With the
+    tool, `wrong_tool_share` of the others first call a tool that does not exist (`answer`), get the
+    env's error back and then submit (kind 'recovery'): a warm start that often makes this one mistake,
+    which a retry repairs (the targeted-feedback experiment's behaviour)."""
     tools = [t.schema() for t in env.tools]
     records = []
     for task in tasks:
@@ -408,11 +414,24 @@ def toy_demos(tasks, env: ToyEnv, hinted_share: float = 0.0, seed: int = 0) -> l
         env.reset(tasks[i])
         flags = env.step(mistake)[2]["flags"]
         records[i] = with_hint(records[i], 0, hint_for(flags, env.hint_context))
+    if not 0 <= wrong_tool_share <= 1:
+        raise DemoError(f"--wrong-tool-share must be in [0, 1], got {wrong_tool_share}")
+    if wrong_tool_share and not env.use_tool:
+        raise DemoError("--wrong-tool-share needs --use-tool (the mistake is a call to a tool that does not exist)")
+    others = sorted(set(range(len(records))) - set(chosen))
+    for i in sorted(random.Random(seed + 1).sample(others, min(round(wrong_tool_share * len(records)), len(others)))):
+        wrong = assistant_call(WRONG_TOOL, {"answer": tasks[i].answer}, 0)
+        env.reset(tasks[i])
+        error = env.step(env.fmt.render_call(WRONG_TOOL, {"answer": tasks[i].answer}))[0][0]["content"]
+        records[i] = {**records[i], "kind": "recovery",
+                      "messages": [records[i]["messages"][0], wrong, {"role": "tool", "tool_call_id": "call_0",
+                                                                     "content": error},
+                                   assistant_call("submit", {"answer": tasks[i].answer}, 1)]}
     return records
 
 
 def write_toy_demos(spec: str, out_path: str | Path, config: DemoConfig, *, count: int, length: int,
-                    use_tool: bool) -> DemoSummary:
+                    use_tool: bool, wrong_tool_share: float = 0.0) -> DemoSummary:
     """`toy_demos` of `count` tasks of the family `spec` names (`toy:add`), drawn with `config.seed`, to
     `out_path` (JSON lines, replaced atomically)."""
     family = spec.removeprefix("toy:")
@@ -420,7 +439,8 @@ def write_toy_demos(spec: str, out_path: str | Path, config: DemoConfig, *, coun
         raise DemoError(f"TASKS {spec!r}: toy tasks are toy:FAMILY, FAMILY one of {', '.join(FAMILIES)}")
     out = _output_path(out_path)
     tasks = toy_tasks(family, count, seed=config.seed, length=length)
-    records = toy_demos(tasks, ToyEnv(get_format(config.format), use_tool), config.hinted_share, config.seed)
+    env = ToyEnv(get_format(config.format), use_tool, max_turns=2 if use_tool else 1)
+    records = toy_demos(tasks, env, config.hinted_share, config.seed, wrong_tool_share)
     return _write_records(records, out)
 
 

@@ -40,7 +40,7 @@ class RolloutConfig:
     on_lost: Literal["refill", "drop"] = "refill"   # a lost rollout: run one more for its group, or drop the group
     max_refills: int = 2            # refills per group before it is dropped
     # teacher slots per trajectory, each one flagged turn with its hint (0: one per turn an episode may play,
-    # env.max_turns, so every flagged turn teaches; the toy env plays one)
+    # env.max_turns, so every flagged turn teaches; the toy env without its tool plays one)
     feedback_slots: int = 0
     feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn (cut to fit: counted)
     # thread: the engine runs in the learner's process; directory: in its own (`composer-jax rl-engine`, same
@@ -99,7 +99,7 @@ class EnvConfig:
     eval_dir: str = ""              # coding: held-out tasks ("": none)
     repo: str = ""                  # coding without tasks_dir: make tasks from this repository (feature deletion) in RUN_DIR/tasks
     max_tasks: int = 20             # coding with repo: tasks to make (the last eval_tasks of them are held out)
-    max_turns: int = 4              # coding: assistant turns per episode
+    max_turns: int = 4              # coding, and toy with use_tool (a retry after a bad call): assistant turns per episode
     # coding: the tools declared to the agent (must include submit); []: the ones init_from was trained
     # with, else all
     tools: tuple[str, ...] = ()
@@ -196,7 +196,8 @@ class RLRunConfig:
         """Teacher slots per row of the step's batch (0: self-distillation is off)."""
         if not self.rl.sd_coef > 0:
             return 0
-        return self.rollout.feedback_slots or (self.env.max_turns if self.env.kind == "coding" else 1)
+        return self.rollout.feedback_slots or (self.env.max_turns if self.env.kind == "coding" or self.env.use_tool
+                                               else 1)
 
     @property
     def prompts_per_step(self) -> int:

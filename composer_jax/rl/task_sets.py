@@ -32,7 +32,8 @@ def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
     unique = {}
     for task in train:                  # the same prompt drawn twice is one task
         unique.setdefault(task.prompt, task)
-    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool), "/workspace")
+    turns = cfg.max_turns if cfg.use_tool else 1
+    return TaskSets({t.id: t for t in unique.values()}, held_out, lambda: ToyEnv(fmt, cfg.use_tool, turns), "/workspace")
 
 
 def _coding_tasks(directory: str, key: str) -> list:
