@@ -79,6 +79,7 @@ def test_comparison_ratios_follow_the_measurements(quick):
     _positive(t["prefix"]["teacher_flops"], t["full"]["teacher_flops"], t["prefix"]["share_of_step"])
     _close(t["naive_over_ours"], t["full"]["teacher_flops"] / t["prefix"]["teacher_flops"])
     assert t["naive_over_ours"] > 1   # the naive teacher reruns the whole context
+    assert set(t["per_slot_over_one"]) == {"2"} and all(0.8 < v < 1.5 for v in t["per_slot_over_one"].values())
     g = quick["decode"]["greedy"]
     _positive(g["plain_tokens_per_s"], g["speculative_tokens_per_s"])
     assert g["same_tokens"]

@@ -264,6 +264,18 @@ def test_toy_recoveries_call_a_missing_tool_then_submit_as_the_env_answers():
         observation, done, info = env.step(call(wrong))
         assert observation[0]["content"] == error["content"] and [f.kind for f in info["flags"]] == ["unknown_tool"]
         assert env.step(call(submit))[2]["task_reward"] == 1.0
+    # hinted ones then take the wrong call as their third mistake: the teacher has seen its hint
+    env = ToyEnv(fmt, use_tool=True, max_turns=2)
+    records = toy_demos(tasks, env, hinted_share=0.5, wrong_tool_share=0.5, seed=1)
+    hinted = [(r, t) for r, t in zip(records, tasks) if r["kind"] == "hinted"]
+    assert len(hinted) == 3 and [r["kind"] for r in records].count("recovery") == 3
+    for rank, (record, task) in enumerate(hinted):
+        env.reset(task)
+        mistake = ["", env.demonstration(task)[:len(env.demonstration(task)) // 2],
+                   fmt.render_call("answer", {"answer": task.answer})][rank]
+        assert record["messages"][2] == {"role": "system", "content": hint_for(env.step(mistake)[2]["flags"],
+                                                                               env.hint_context)}
+    assert hinted[2][0]["messages"][2]["content"].startswith("Reminder: the available tools are")
     for env, share, message in ((ToyEnv(fmt), 0.5, "needs --use-tool"), (ToyEnv(fmt, use_tool=True), 1.5, r"in \[0, 1\]")):
         with pytest.raises(DemoError, match=message):
             toy_demos(tasks, env, wrong_tool_share=share)

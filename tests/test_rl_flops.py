@@ -29,6 +29,16 @@ def test_teacher_cost_follows_the_turn_not_the_trajectory():
     assert naive_long / naive > 2.0 and naive > 2 * base
 
 
+def test_teacher_cost_is_proportional_to_the_flagged_turns():
+    """Every flagged turn of a row gets its own slot: 3 flagged turns per row (each followed by a tool
+    output) cost 3x one, within what each later turn's longer context adds in attention (`composer-jax
+    bench --sections rl_teacher` reports 2 and 4)."""
+    one, _ = teacher_flops(MODEL, 32, 16, stage="lowered", slots=1)
+    three, _ = teacher_flops(MODEL, 32, 16, stage="lowered", slots=3)
+    print(f"teacher FLOPs 1 slot {one:.3e}, 3 slots {three:.3e} (x{three / one:.2f})")
+    assert 2.7 < three / one < 3.6
+
+
 @pytest.mark.slow
 def test_teacher_cost_in_the_compiled_step():
     """The compiled step (after XLA's optimisations) gives the same count as the lowered one, within

@@ -42,12 +42,12 @@ def cli(*argv: str) -> None:
     subprocess.run([sys.executable, "-m", "composer_jax.cli", *argv], check=True)
 
 
-def sft(out: Path, wrong_tool_share: float) -> Path:
+def sft(out: Path, wrong_tool_share: float, hinted_share: float) -> Path:
     """The SFT run every RL run starts from (made once: a rerun reuses it)."""
     demos, run_dir = out / "toy-add-demos.jsonl", out / "sft"
     if not (run_dir / "chat.json").is_file():
         cli("tasks", "demos", "toy:add", str(demos), "--use-tool", "--count", "256", "--seed", "2",
-            "--hinted-share", "0", "--wrong-tool-share", str(wrong_tool_share))
+            "--hinted-share", str(hinted_share), "--wrong-tool-share", str(wrong_tool_share))
         cli("sft", "sft-toy-tiny", *SFT, f"data.path={demos}", f"run_dir={run_dir}")
     return run_dir
 
@@ -100,19 +100,21 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--sd-coef", type=float, default=1.0, help="rl.sd_coef of the self-distillation arm")
     parser.add_argument("--seeds", type=int, default=3, help="RL seeds per arm (default 3)")
-    parser.add_argument("--wrong-tool-share", type=float, default=0.33,
+    parser.add_argument("--wrong-tool-share", type=float, default=0.5,
                         help="share of the SFT demonstrations that first call a tool that does not exist")
+    parser.add_argument("--hinted-share", type=float, default=0.25,
+                        help="share of the SFT demonstrations that show a hint before the correct turn")
     args = parser.parse_intermixed_args()       # the options may come between overrides
     if args.seeds < 1 or args.sd_coef <= 0:
         parser.error("--seeds must be >= 1 and --sd-coef > 0")
     args.out.mkdir(parents=True, exist_ok=True)
-    source = sft(args.out, args.wrong_tool_share)
+    source = sft(args.out, args.wrong_tool_share, args.hinted_share)
     arms = {f"sd_coef={c:g}": [rl_run(args.out, c, seed, source, args.overrides) for seed in range(args.seeds)]
             for c in (0.0, args.sd_coef)}
     summary = {name: [{key: trend(r[key]) for key in (TARGET, *OTHERS, "reward_mean")} for r in runs]
                for name, runs in arms.items()}
     (args.out / "feedback.json").write_text(json.dumps(
-        {"sft": SFT, "wrong_tool_share": args.wrong_tool_share, "rl": TOOL_USE + args.overrides,
+        {"sft": SFT, "wrong_tool_share": args.wrong_tool_share, "hinted_share": args.hinted_share, "rl": TOOL_USE + args.overrides,
          "summary": summary, "runs": arms}, indent=1))
     plot(arms, args.out / "feedback.png")
     for name, runs in summary.items():

@@ -1,7 +1,7 @@
 """The RL step's teacher share: the FLOPs that flagged turns add to the fused RL step (the targeted
-feedback self-distillation teacher), from XLA's cost analysis of the step with one flagged turn per row
-minus the same step with none. The reference is the naive teacher (`teacher_context='full'`: the
-whole hinted trajectory run again) on the same batch."""
+feedback self-distillation teacher), from XLA's cost analysis of the step with flagged turns (one per
+row, or `slots` per row) minus the same step with none. The reference is the naive teacher
+(`teacher_context='full'`: the whole hinted trajectory run again) on the same batch."""
 
 from __future__ import annotations
 
@@ -18,30 +18,34 @@ from composer_jax.config import ModelConfig
 from composer_jax.rl import RLConfig, RLStep, RolloutBatch, teacher_slot
 
 
-def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None) -> RolloutBatch:
-    """`rows` trajectories: `prefix` context tokens, one model turn of `turn` tokens, a `tail`-token tool
-    output; with `hint` (tokens), each row's turn is flagged with a hint of that length."""
-    seq = prefix + turn + tail
+def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None,
+                  slots: int = 1) -> RolloutBatch:
+    """`rows` trajectories: `prefix` context tokens, then `slots` times a model turn of `turn` tokens and
+    a `tail`-token tool output; with `hint` (tokens), each turn is flagged with a hint of that length."""
+    seq = prefix + slots * (turn + tail)
+    starts = [prefix + k * (turn + tail) for k in range(slots)]
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, (rows, seq)).astype(np.int32)
     generated = np.zeros((rows, seq), bool)
-    generated[:, prefix:prefix + turn] = True
+    for start in starts:
+        generated[:, start:start + turn] = True
     batch = RolloutBatch(tokens, np.tile(np.arange(seq, dtype=np.int32), (rows, 1)), np.ones((rows, seq), np.int32),
                          generated, np.where(generated, -1.0, 0.0).astype(np.float32),
                          np.arange(rows, dtype=np.float32), np.zeros(rows, np.int32))
     if hint is None:
         return batch
-    slots = [teacher_slot(tokens[r], generated[r], prefix, np.arange(hint), hint + turn) for r in range(rows)]
-    return batch._replace(teacher_tokens=np.stack([s[0] for s in slots])[:, None],
-                          teacher_map=np.stack([s[1] for s in slots])[:, None])
+    windows = [[teacher_slot(tokens[r], generated[r], start, np.arange(hint), hint + turn) for start in starts]
+               for r in range(rows)]
+    return batch._replace(teacher_tokens=np.asarray([[w[0] for w in row] for row in windows]),
+                          teacher_map=np.asarray([[w[1] for w in row] for row in windows]))
 
 
 @functools.lru_cache(maxsize=32)
 def _lowered_step(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None, context: str,
-                  unroll: bool):
-    """The RL step (shape-only state) lowered for `rollout_batch(model, rows, prefix, turn, tail, hint)`;
-    cached: tracing the step takes seconds, and a batch without a flagged turn is the same program
-    whatever `context` is (pass "prefix" for it)."""
-    batch = rollout_batch(model, rows, prefix, turn, tail, hint)
+                  unroll: bool, slots: int):
+    """The RL step (shape-only state) lowered for `rollout_batch(model, rows, prefix, turn, tail, hint,
+    slots)`; cached: tracing the step takes seconds, and a batch without a flagged turn is the same
+    program whatever `context` is (pass "prefix" for it)."""
+    batch = rollout_batch(model, rows, prefix, turn, tail, hint, slots)
     cfg = RLConfig(group_size=rows, teacher_context=context, mtp_distill_weight=0.0)   # the teacher's cost alone
     abstract = nnx.eval_shape(lambda: CausalLM(model, rngs=nnx.Rngs(0)))
     rl_step = RLStep(abstract, cfg)
@@ -57,28 +61,34 @@ def _compiled_flops(*key) -> float:
 
 
 def step_flops(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None, context: str,
-               stage: str, unroll: bool = False) -> float:
-    """FLOPs of the RL step on `rollout_batch(model, rows, prefix, turn, tail, hint)` from the 'lowered'
-    or 'compiled' program's cost analysis; `unroll`: every loop counted per iteration (else a loop body
-    counts once)."""
-    key = (model, rows, prefix, turn, tail, hint, context if hint is not None else "prefix", unroll)
+               stage: str, unroll: bool = False, slots: int = 1) -> float:
+    """FLOPs of the RL step on `rollout_batch(model, rows, prefix, turn, tail, hint, slots)` from the
+    'lowered' or 'compiled' program's cost analysis; `unroll`: every loop counted per iteration (else a
+    loop body counts once)."""
+    key = (model, rows, prefix, turn, tail, hint, context if hint is not None else "prefix", unroll, slots)
     return _compiled_flops(*key) if stage == "compiled" else flops_of(_lowered_step(*key))
 
 
 def teacher_flops(model: ModelConfig, prefix: int, turn: int, context: str = "prefix", stage: str = "compiled",
-                  rows: int = 2, hint: int = 4, tail: int = 8, unroll: bool = False) -> tuple[float, float]:
+                  rows: int = 2, hint: int = 4, tail: int = 8, unroll: bool = False,
+                  slots: int = 1) -> tuple[float, float]:
     """(FLOPs the flagged turns add to the step, that as a share of the flagged step's FLOPs)."""
-    flagged = step_flops(model, rows, prefix, turn, tail, hint, context, stage, unroll)
-    plain = step_flops(model, rows, prefix, turn, tail, None, context, stage, unroll)
+    flagged = step_flops(model, rows, prefix, turn, tail, hint, context, stage, unroll, slots)
+    plain = step_flops(model, rows, prefix, turn, tail, None, context, stage, unroll, slots)
     return flagged - plain, (flagged - plain) / flagged
 
 
-def teacher_section(model: ModelConfig, prefix: int, turn: int, rows: int = 2) -> dict:
+def teacher_section(model: ModelConfig, prefix: int, turn: int, slots: tuple = (2, 4), rows: int = 2) -> dict:
     """Our teacher (hint + turn over the student's latents) against the naive one, loops counted per
-    iteration, from the lowered programs (the compiled ones agree within 10%: tests/test_rl_flops.py)."""
+    iteration, from the lowered programs (the compiled ones agree within 10%: tests/test_rl_flops.py).
+    `per_slot_over_one`: with each of `slots` flagged turns per row, our teacher's FLOPs per flagged turn
+    over those with one (1.0: the cost is proportional to the hinted windows)."""
     out = {"prefix_tokens": prefix, "turn_tokens": turn, "rows": rows}
     for context in ("prefix", "full"):
         flops, share = teacher_flops(model, prefix, turn, context, "lowered", rows, unroll=True)
         out[context] = {"teacher_flops": flops, "share_of_step": share}
     out["naive_over_ours"] = out["full"]["teacher_flops"] / out["prefix"]["teacher_flops"]
+    out["per_slot_over_one"] = {
+        str(k): teacher_flops(model, prefix, turn, "prefix", "lowered", rows, unroll=True, slots=k)[0]
+        / (k * out["prefix"]["teacher_flops"]) for k in slots}
     return out

@@ -39,7 +39,7 @@ class Sizes:
     memory_lengths: tuple         # training-step temp memory (tiny model), per sequence length; () skips
     kernel_dtype: str
     dispatch: tuple               # tokens, embed, moe_mlp, experts, k
-    teacher: tuple                # prefix, turn (tiny model)
+    teacher: tuple                # prefix, turn, (flagged turns per row to compare with one) (tiny model)
     decode: tuple                 # prompt_len, new_tokens
     muon: tuple                   # experts, moe_layers
     model_overrides: tuple = ()   # dotted changes to the train-step and teacher sections' models
@@ -49,17 +49,17 @@ def sizes(preset: str, quick: bool) -> Sizes:
     if preset == "cpu" and quick:
         # Two decoder layers (one dense, one MoE): the smoke run's time is tracing and compiling, per layer.
         return Sizes("tiny", 2, 64, 2, (128,), {"tiny": (4, 24, 24)}, (), "float32",
-                     (128, 64, 32, 16, 4), (16, 8), (8, 16), (8, 1), ("num_layers=2",))
+                     (128, 64, 32, 16, 4), (16, 8, (2,)), (8, 16), (8, 1), ("num_layers=2",))
     if preset == "cpu":
         return Sizes("tiny", 8, 128, 5, (256, 1024, 2048), {"tiny": (4, 24, 24), "k25_8heads": (8, 192, 128)},
-                     (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16), (32, 64), (32, 2))
+                     (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16, (2, 4)), (32, 64), (32, 2))
     k25 = {"k25_16heads": (16, 192, 128)}
     if quick:
         return Sizes("proxy-moe", 1, 2048, 3, (1024, 4096), k25, (), "bfloat16",
-                     (8192, 2048, 1024, 32, 8), (32, 16), (32, 64), (32, 2))
+                     (8192, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 64), (32, 2))
     # Sized for tools/device_check.sh's 8 minutes: the step's memory growth is measured on CPU.
     return Sizes("proxy-moe", 0, 4096, 5, (1024, 4096, 8192), k25, (), "bfloat16",
-                 (32768, 2048, 1024, 32, 8), (32, 16), (32, 128), (32, 2))
+                 (32768, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 128), (32, 2))
 
 
 def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
@@ -90,9 +90,9 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     if name == "rl_teacher":
         from composer_jax.bench.rl_teacher import teacher_section
 
-        prefix, turn = s.teacher
+        prefix, turn, slots = s.teacher
         return teacher_section(load_config("tiny", [f"rope.max_position_embeddings={prefix + turn + 64}",
-                                                    *s.model_overrides]), prefix, turn)
+                                                    *s.model_overrides]), prefix, turn, slots)
     if name == "decode":
         from composer_jax.bench.decode import decode_section
 
@@ -159,6 +159,9 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
         r = results["rl_teacher"]
         out.append(("RL teacher share", _pct(r["prefix"]["share_of_step"]),
                     f"naive {_pct(r['full']['share_of_step'])}", f"naive x{r['naive_over_ours']:.2f}"))
+        per_slot = r["per_slot_over_one"]
+        out.append(("  per flagged turn", f"{'/'.join(per_slot)} per row", "1 per row",
+                    " ".join(f"{k}: x{v:.2f}" for k, v in per_slot.items())))
     if "decode" in results:
         r = results["decode"]["greedy"]
         out.append(("decode speculative", f"{r['speculative_tokens_per_s']:,.0f} tok/s",

@@ -394,10 +394,11 @@ WRONG_TOOL = "answer"    # the tool a toy recovery calls first: not declared (th
 def toy_demos(tasks, env: ToyEnv, hinted_share: float = 0.0, seed: int = 0, wrong_tool_share: float = 0.0) -> list[dict]:
     """One conversation per toy task answering it as `env` expects (a `submit` call with `use_tool`, else
     the answer alone); `hinted_share` of them show the teacher's view before the answer after a mistake
-    the env flags (no answer; with the tool, also a call cut short), the mistakes alternating. With the
+    the env flags (no answer; with the tool, also a call cut short), the mistakes taken in turn. With the
     tool, `wrong_tool_share` of the others first call a tool that does not exist (`answer`), get the
     env's error back and then submit (kind 'recovery'): a warm start that often makes this one mistake,
-    which a retry repairs (the targeted-feedback experiment's behaviour)."""
+    which a retry repairs (the targeted-feedback experiment's behaviour). The hinted ones then take that
+    call as a third mistake, so the hinted policy (the teacher) has learnt to read its hint."""
     tools = [t.schema() for t in env.tools]
     records = []
     for task in tasks:
@@ -410,7 +411,10 @@ def toy_demos(tasks, env: ToyEnv, hinted_share: float = 0.0, seed: int = 0, wron
     chosen = sorted(random.Random(seed).sample(range(len(records)), round(hinted_share * len(records))))
     for rank, i in enumerate(chosen):
         demonstration = env.demonstration(tasks[i])
-        mistake = demonstration[:len(demonstration) // 2] if env.use_tool and rank % 2 else ""
+        mistakes = ["", demonstration[:len(demonstration) // 2]] if env.use_tool else [""]
+        if wrong_tool_share:        # the teacher has seen the hint for the mistake the warm start makes
+            mistakes.append(env.fmt.render_call(WRONG_TOOL, {"answer": tasks[i].answer}))
+        mistake = mistakes[rank % len(mistakes)]
         env.reset(tasks[i])
         flags = env.step(mistake)[2]["flags"]
         records[i] = with_hint(records[i], 0, hint_for(flags, env.hint_context))
