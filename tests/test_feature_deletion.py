@@ -21,7 +21,7 @@ from composer_jax.tasks.feature_deletion import DEFAULT_TEST_COMMAND
 from composer_jax.tasks.features import find_definitions, plan_deletion, word_counts
 from composer_jax.tasks.format import TaskError, write_pass_rate
 from composer_jax.tasks.junit import FAILED, PASSED
-from composer_jax.tasks.tracing import Baseline
+from composer_jax.tasks.tracing import UNSTABLE_REASON, Baseline
 from composer_jax.tasks.workspace import unified_diff
 # the module's Sandbox, and the autouse check that no temporary copy is left behind
 from tests.test_tasks import no_leftover_copies, sandbox, tree_digest  # noqa: F401
@@ -254,6 +254,7 @@ def tasks_of(generated):
 def test_report_counts_and_reasons(generated):
     report = generated["report"]
     assert report["baseline"] == {"tests": 12, "passed": 11, "skipped": 0, "left_out": [LEFT_OUT],
+                                  "unstable_ids": {"tests": [], "reason": UNSTABLE_REASON},
                                   "seconds": report["baseline"]["seconds"]}
     assert {t["id"] for t in report["tasks"]} == {"zebrakit.text.slugify", "zebrakit.numbers.clamp",
                                                   "zebrakit.numbers.Stats", "zebrakit.numbers.Stats.mean"}
@@ -394,7 +395,7 @@ def test_not_a_directory_and_bad_out_dir(tmp_path):
 @pytest.mark.parametrize("files, extra, message", [
     ({"m.py": "def f():\n    return 1\n"}, (), f"no tests: `{DEFAULT_TEST_COMMAND}` collected none"),
     ({"m.py": "X = 1\n", "tests/test_m.py": "from m import X\n\n\ndef test_x():\n    assert X == 2\n"}, (),
-     "no test passes before any deletion (1 fail, 0 skipped), e.g. tests/test_m.py::test_x"),
+     "no test passes before any deletion (1 fail, 0 skipped, 0 with unstable ids), e.g. tests/test_m.py::test_x"),
     ({"tests/test_slow.py": "import time\n\n\ndef test_hangs():\n    time.sleep(600)\n"}, ("--timeout", "3"),
      "the tests did not finish within 3 s (a hanging test?)"),
     ({"tests/test_broken.py": "def test_x(:\n"}, (), "pytest stopped before running the tests: exit code 2"),

@@ -3,7 +3,8 @@ cleanup, a worker pool, and the same on a Ray cluster (`make_sandbox("ray")`). K
 
 from composer_jax.sandbox.limits import LIMIT_KINDS, Limits, RunResult, SandboxError, SandboxUnavailable
 from composer_jax.sandbox.pool import run_parallel
-from composer_jax.sandbox.runner import ENV_ALLOWLIST, SANDBOX_BACKENDS, SANDBOX_WORKSPACE, Sandbox, make_sandbox
+from composer_jax.sandbox.runner import (ENV_ALLOWLIST, SANDBOX_BACKENDS, SANDBOX_WORKSPACE, TEST_HASH_SEED, Sandbox,
+                                         make_sandbox)
 
 __all__ = ["ENV_ALLOWLIST", "LIMIT_KINDS", "Limits", "RunResult", "SANDBOX_BACKENDS", "SANDBOX_WORKSPACE", "Sandbox",
-           "SandboxError", "SandboxUnavailable", "make_sandbox", "run_parallel"]
+           "SandboxError", "SandboxUnavailable", "TEST_HASH_SEED", "make_sandbox", "run_parallel"]

