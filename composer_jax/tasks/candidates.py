@@ -5,7 +5,9 @@ class is credited through its methods, a function through the closures and compr
 It is a candidate if it did not run at import or collection (deleting it would break the import, and
 every test with it), passing tests ran it, no more than `max_target_fraction` of the passing tests
 ran it (a feature, not the core everything needs), and its deletion removes at least `min_lines`
-lines of code. Definitions that are not candidates are counted by reason (NOT_CANDIDATE; for
+lines of code (measured on its body deletion at every level, so that all levels draw from one pool;
+at the `feature` level, a candidate whose deleted set an earlier one has already is `same_feature`).
+Definitions that are not candidates are counted by reason (NOT_CANDIDATE; for
 `syntax_error` and `not_utf8`, whole files are counted).
 """
 
@@ -16,13 +18,16 @@ import random
 import re
 from collections import Counter, defaultdict
 
-from composer_jax.tasks.features import Definition, Deletion, find_definitions, plan_deletion, word_counts
+from composer_jax.tasks.features import (Definition, Deletion, find_definitions, module_name, plan_deletion,
+                                         word_counts)
 from composer_jax.tasks.format import ID_PATTERN
+from composer_jax.tasks.levels import RepoIndex, plan_level
 from composer_jax.tasks.tracing import Baseline, CodeKey
 from composer_jax.tasks.workspace import is_test_file
 
 NOT_CANDIDATE = ("untested", "runs_at_import", "not_specific", "too_small", "no_body", "inline_body",
-                 "abstract_or_overload", "syntax_error", "not_utf8")
+                 "abstract_or_overload", "syntax_error", "not_utf8",
+                 "same_feature", "edit_breaks_syntax")   # levels definition and feature (levels.py)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,8 +39,7 @@ class Candidate:
 
 def task_id(path: str, qualname: str) -> str:
     """'src/pkg/mod.py', 'Stats.mean' -> 'pkg.mod.Stats.mean' (made a valid task id)."""
-    module = re.sub(r"^src/", "", path).removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{module}.{qualname}").lstrip("._-")
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{module_name(path)}.{qualname}").lstrip("._-")
     return name if ID_PATTERN.fullmatch(name) else f"t{name}"
 
 
@@ -60,10 +64,15 @@ def _credit(definitions: dict[str, list[Definition]], baseline: Baseline) -> tup
     return tests_of, at_import
 
 
+def _deleted_set(deletion: Deletion) -> frozenset[tuple[str, str]]:
+    return frozenset((h.path, h.qualname) for h in deletion.helpers)
+
+
 def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: int, max_target_fraction: float,
-                      seed: int) -> tuple[list[Candidate], Counter]:
-    """Candidates from the repository's non-test Python files (`texts`: scrub.repo_texts), in the
-    order `seed` shuffles them to; and {reason: count} of the definitions that are not candidates."""
+                      seed: int, level: str = "body") -> tuple[list[Candidate], Counter]:
+    """Candidates from the repository's non-test Python files (`texts`: scrub.repo_texts), their
+    deletions at `level` (levels.py), in the order `seed` shuffles them to; and {reason: count} of the
+    definitions that are not candidates."""
     skipped: Counter = Counter()
     definitions: dict[str, list[Definition]] = {}
     for path, text in sorted(texts.items()):
@@ -78,7 +87,8 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
     tests_of, at_import = _credit(definitions, baseline)
     counts = word_counts(texts.values())
     most = max(1, int(max_target_fraction * len(baseline.passed)))
-    candidates, ids = [], set()
+    index = RepoIndex.build(texts, definitions, tests_of, at_import, counts) if level != "body" else None
+    candidates, ids, deleted_sets = [], set(), set()
     for path, defs in definitions.items():
         for d in defs:
             tests = tests_of.get(d, set())
@@ -92,7 +102,12 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
                 skipped[deletion] += 1
             elif deletion.code_lines < min_lines:
                 skipped["too_small"] += 1
+            elif index and isinstance(deletion := plan_level(level, d, index), str):
+                skipped[deletion] += 1
+            elif level == "feature" and _deleted_set(deletion) in deleted_sets:
+                skipped["same_feature"] += 1
             else:
+                deleted_sets.add(_deleted_set(deletion))
                 name = base = task_id(path, d.qualname)
                 while name in ids:
                     name = f"{base}-{len(ids)}"
