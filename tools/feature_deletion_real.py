@@ -1,7 +1,7 @@
 """Feature-deletion tasks from a real package: its sdist from the registry, its own test suite.
 
     python tools/feature_deletion_real.py OUT_DIR [--package parse==1.20.2] [--workers 2] [--max-tasks 20]
-                                                  [--min-lines 3]
+                                                  [--min-lines 3] [--level body|definition|feature]
 
 Downloads the sdist with `pip download --no-binary :all: --no-deps`, unpacks it into a temporary
 directory (which is read-only to the generator), runs `composer-jax tasks feature-deletion` on it,
@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--workers", default="2")
     p.add_argument("--max-tasks", default="20")
     p.add_argument("--min-lines", default="3", help="lines of code a deletion must remove (default 3)")
+    p.add_argument("--level", default="body", help="body, definition or feature (default body)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="composer_jax-sdist-") as tmp:
         start = time.monotonic()
@@ -48,7 +49,8 @@ def main() -> int:
         print(f"{args.package}: sdist unpacked in {time.monotonic() - start:.1f} s: {repo.name}")
         start = time.monotonic()
         code = cli.main(["tasks", "feature-deletion", str(repo), args.out_dir, "--workers", args.workers,
-                         "--max-tasks", args.max_tasks, "--min-lines", args.min_lines])
+                         "--max-tasks", args.max_tasks, "--min-lines", args.min_lines,
+                         "--level", args.level])
         print(f"generation: {time.monotonic() - start:.1f} s (exit code {code})")
         if code:
             return code
