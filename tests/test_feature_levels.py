@@ -69,6 +69,7 @@ LEVEL_SOURCES = {"zebrakit/__init__.py": '"""zebrakit."""\nfrom zebrakit.convert
                  "zebrakit/text.py": TEXT, "zebrakit/tables.py": TABLES, "zebrakit/convert.py": CONVERT,
                  "tests/test_text.py": TESTS_TEXT, "tests/test_convert.py": TESTS_CONVERT,
                  "tests/test_describe.py": TESTS_DESCRIBE}
+INIT_WITHOUT_CONVERT = '"""zebrakit."""\nfrom zebrakit.convert import describe\n'
 CONVERT_TESTS = ["tests/test_convert.py::test_km_to_m", "tests/test_convert.py::test_cm_to_m"]
 
 
@@ -100,7 +101,7 @@ def added_lines(task) -> list[str]:
 
 @pytest.mark.parametrize("run, kept", [
     ("definition_run", {"zebrakit.tables.factor_for", "zebrakit.convert.convert"}),
-    ("feature_run", {"zebrakit.convert.convert"})])
+    ("feature_run", {"zebrakit.convert.convert", "zebrakit.convert"})])
 def test_targets_fail_and_the_solution_restores_them(request, sandbox, run, kept):  # noqa: F811
     """Per level: the checker's verdicts (targets fail, pass-to-pass pass, solution.patch passes all),
     the level and the counts in task.json; test modules that import a deleted name next to tests that
@@ -152,7 +153,7 @@ def test_definition_level_deletes_the_whole_definition(definition_run):
     assert "def convert" not in (task.repo / "zebrakit/convert.py").read_text()
     assert "def describe(value, unit):" in (task.repo / "zebrakit/convert.py").read_text()
     # the package's re-export named it: cleaned, so `from zebrakit import describe` still works
-    assert (task.repo / "zebrakit/__init__.py").read_text() == '"""zebrakit."""\nfrom zebrakit.convert import describe\n'
+    assert (task.repo / "zebrakit/__init__.py").read_text() == INIT_WITHOUT_CONVERT
     text = task.instruction
     assert "The function `convert` of the module `zebrakit.convert` (`zebrakit/convert.py`) has been deleted" in text
     assert all(f"- {t}" in text for t in CONVERT_TESTS)
@@ -170,7 +171,7 @@ def test_feature_level_deletes_across_files_and_drops_the_emptied_module(feature
     assert not (task.repo / "zebrakit/tables.py").exists()          # factor_for went, and its module with it
     assert (task.repo / "zebrakit/convert.py").read_text() == \
         '"""Conversions."""\n\n\n' + CONVERT.split("\n\n\n")[-1]  # only describe: the import of tables is gone
-    assert (task.repo / "zebrakit/__init__.py").read_text() == '"""zebrakit."""\nfrom zebrakit.convert import describe\n'
+    assert (task.repo / "zebrakit/__init__.py").read_text() == INIT_WITHOUT_CONVERT
     entry = next(t for t in feature_run["report"]["tasks"] if t["id"] == task.id)
     assert entry["deleted_files"] == ["zebrakit/tables.py"] and entry["deleted_definitions"] == 2
     assert "These modules were deleted whole: `zebrakit/tables.py`." in task.instruction
@@ -179,6 +180,12 @@ def test_feature_level_deletes_across_files_and_drops_the_emptied_module(feature
     assert feature_run["report"]["not_candidates"]["same_feature"] == 1
     tasks = feature_run["tasks"].values()
     assert sum(t.difficulty["deleted_definitions"] for t in tasks) / len(tasks) > 1
+    # the module as the feature (its definitions' tests, test_convert.py and test_describe.py, as targets)
+    module = feature_run["tasks"]["zebrakit.convert"]
+    assert module.difficulty["deleted_files"] == 2 and module.difficulty["deleted_definitions"] == 3
+    assert sorted(p.name for p in (module.repo / "zebrakit").iterdir()) == ["__init__.py", "text.py"]
+    assert (module.repo / "zebrakit/__init__.py").read_text() == '"""zebrakit."""\n'
+    assert list(module.target_tests) == [*CONVERT_TESTS, "tests/test_describe.py::test_describe"]
 
 
 def test_level_flag_is_checked(tmp_path):

@@ -6,7 +6,8 @@
 Downloads the sdist with `pip download --no-binary :all: --no-deps`, unpacks it into a temporary
 directory (which is read-only to the generator), runs `composer-jax tasks feature-deletion` on it,
 then re-checks every produced task with `composer-jax tasks check` (the workspace, and with
---solution) and prints the timings.
+--solution; per-task results in OUT_DIR/check-workspace.jsonl and check-solution.jsonl) and prints the
+timings.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def main() -> int:
             return code
     report = json.loads((Path(args.out_dir) / "report.json").read_text())
     dirs = [str(Path(args.out_dir) / t["id"]) for t in report["tasks"]]
-    for flags in ([], ["--solution"]):
+    for flags, name in (([], "check-workspace.jsonl"), (["--solution"], "check-solution.jsonl")):
         start = time.monotonic()
-        cli.main(["tasks", "check", *dirs, *flags, "--workers", args.workers, "--json", "/dev/null"])
+        cli.main(["tasks", "check", *dirs, *flags, "--workers", args.workers, "--json", str(Path(args.out_dir) / name)])
         print(f"tasks check {' '.join(flags) or '(workspace)'}: {time.monotonic() - start:.1f} s")
     return 0
 

@@ -6,7 +6,8 @@ It is a candidate if it did not run at import or collection (deleting it would b
 every test with it), passing tests ran it, no more than `max_target_fraction` of the passing tests
 ran it (a feature, not the core everything needs), and its deletion removes at least `min_lines`
 lines of code (measured on its body deletion at every level, so that all levels draw from one pool;
-at the `feature` level, a candidate whose deleted set an earlier one has already is `same_feature`).
+at the `feature` level, a candidate whose deleted set an earlier one has already is `same_feature`, and
+a module whose top-level definitions only its own targets run is one more candidate, deleted whole).
 Definitions that are not candidates are counted by reason (NOT_CANDIDATE; for
 `syntax_error` and `not_utf8`, whole files are counted).
 """
@@ -37,9 +38,10 @@ class Candidate:
     tests: frozenset[str]         # the passing tests that ran it
 
 
-def task_id(path: str, qualname: str) -> str:
-    """'src/pkg/mod.py', 'Stats.mean' -> 'pkg.mod.Stats.mean' (made a valid task id)."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"{module_name(path)}.{qualname}").lstrip("._-")
+def task_id(path: str, qualname: str | None) -> str:
+    """'src/pkg/mod.py', 'Stats.mean' -> 'pkg.mod.Stats.mean' (None: 'pkg.mod'), made a valid task id."""
+    name = module_name(path) + (f".{qualname}" if qualname else "")
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-")
     return name if ID_PATTERN.fullmatch(name) else f"t{name}"
 
 
@@ -89,6 +91,14 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
     most = max(1, int(max_target_fraction * len(baseline.passed)))
     index = RepoIndex.build(texts, definitions, tests_of, at_import, counts) if level != "body" else None
     candidates, ids, deleted_sets = [], set(), set()
+
+    def add(base: str, deletion: Deletion, tests: set[str]) -> None:
+        name = base
+        while name in ids:
+            name = f"{base}-{len(ids)}"
+        ids.add(name)
+        candidates.append(Candidate(name, deletion, frozenset(tests)))
+
     for path, defs in definitions.items():
         for d in defs:
             tests = tests_of.get(d, set())
@@ -108,10 +118,18 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
                 skipped["same_feature"] += 1
             else:
                 deleted_sets.add(_deleted_set(deletion))
-                name = base = task_id(path, d.qualname)
-                while name in ids:
-                    name = f"{base}-{len(ids)}"
-                ids.add(name)
-                candidates.append(Candidate(name, deletion, frozenset(tests)))
+                add(task_id(path, d.qualname), deletion, tests)
+    if level == "feature":
+        # a whole module as the feature: the tests of its top-level definitions are the targets, so a module
+        # that only they test goes as a whole
+        for path, defs in definitions.items():
+            ran = [d for d in defs if d.owner is None and d not in at_import and tests_of.get(d)]
+            tests = set().union(*(tests_of[d] for d in ran))
+            if len(ran) < 2 or len(tests) > most or path.endswith("__init__.py"):
+                continue   # one definition is a candidate of its own already
+            deletion = plan_level(level, ran[0], index, targets=tests)
+            if not isinstance(deletion, str) and deletion.deleted_files and _deleted_set(deletion) not in deleted_sets:
+                deleted_sets.add(_deleted_set(deletion))
+                add(task_id(path, None), deletion, tests)
     random.Random(seed).shuffle(candidates)
     return candidates, skipped

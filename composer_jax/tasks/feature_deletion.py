@@ -63,7 +63,8 @@ class FeatureDeletionConfig:
 
     def __post_init__(self):
         if self.level not in LEVELS:
-            raise FeatureDeletionError(f"--level must be one of {', '.join(LEVELS)}, got {self.level!r}")
+            raise FeatureDeletionError(f"--level must be one of {', '.join(LEVELS)}, "
+                                       f"got {self.level!r}")
         for name in ("max_tasks", "workers", "min_lines", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise FeatureDeletionError(f"feature deletion setting '{name}' must be > 0, got {getattr(self, name)}")

@@ -70,9 +70,10 @@ def _import_statements(tree: ast.Module) -> Imports:
     return [(n, id(n) in top) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
-def plan_level(level: str, feature: Definition, index: RepoIndex) -> Deletion | str:
+def plan_level(level: str, feature: Definition, index: RepoIndex, targets: set[str] | None = None) -> Deletion | str:
     """The `definition` or `feature` level deletion of the candidate `feature` (see the module
-    docstring), or why it cannot be made ('edit_breaks_syntax')."""
+    docstring), or why it cannot be made ('edit_breaks_syntax'). `targets` (level feature): the tests
+    whose code goes; default: those that ran `feature`."""
     if level == "definition":
         lines = index.texts[feature.path].splitlines(True)
         used = word_counts(lines[feature.start - 1:feature.end])
@@ -80,7 +81,7 @@ def plan_level(level: str, feature: Definition, index: RepoIndex) -> Deletion | 
         return _remove(level, feature, [feature, *helpers], index, drop_empty_modules=False)
     if level != "feature":
         raise ValueError(f"plan_level: level must be 'definition' or 'feature', got {level!r}")
-    targets = index.tests_of[feature]
+    targets = index.tests_of[feature] if targets is None else targets
     reached = [d for defs in index.definitions.values() for d in defs
                if d not in index.at_import and index.tests_of.get(d) and index.tests_of[d] <= targets]
     # a class that goes takes its methods with it
