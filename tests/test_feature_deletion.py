@@ -296,6 +296,7 @@ def test_targets_fail_and_the_solution_passes(generated, sandbox):
         assert LEFT_OUT not in task.target_tests + task.pass_to_pass
         assert len(task.target_tests) + len(task.pass_to_pass) == 11
         assert task.difficulty["target_tests"] == len(task.target_tests) and task.pass_rate is None
+        assert task.level == "body" and task.difficulty["deleted_files"] == 0    # the default level
         plus = [line for line in task.solution_patch.read_text().splitlines()
                 if line.startswith("+") and not line.startswith("+++")]
         assert task.difficulty["deleted_lines"] == sum(1 for line in plus if line[1:].strip())

@@ -1,12 +1,13 @@
 """Feature-deletion tasks from a real package: its sdist from the registry, its own test suite.
 
     python tools/feature_deletion_real.py OUT_DIR [--package parse==1.20.2] [--workers 2] [--max-tasks 20]
-                                                  [--min-lines 3]
+                                                  [--min-lines 3] [--level body|definition|feature]
 
 Downloads the sdist with `pip download --no-binary :all: --no-deps`, unpacks it into a temporary
 directory (which is read-only to the generator), runs `composer-jax tasks feature-deletion` on it,
 then re-checks every produced task with `composer-jax tasks check` (the workspace, and with
---solution) and prints the timings.
+--solution; per-task results in OUT_DIR/check-workspace.jsonl and check-solution.jsonl) and prints the
+timings.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> int:
     p.add_argument("--workers", default="2")
     p.add_argument("--max-tasks", default="20")
     p.add_argument("--min-lines", default="3", help="lines of code a deletion must remove (default 3)")
+    p.add_argument("--level", default="body", help="body, definition or feature (default body)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="composer_jax-sdist-") as tmp:
         start = time.monotonic()
@@ -48,15 +50,16 @@ def main() -> int:
         print(f"{args.package}: sdist unpacked in {time.monotonic() - start:.1f} s: {repo.name}")
         start = time.monotonic()
         code = cli.main(["tasks", "feature-deletion", str(repo), args.out_dir, "--workers", args.workers,
-                         "--max-tasks", args.max_tasks, "--min-lines", args.min_lines])
+                         "--max-tasks", args.max_tasks, "--min-lines", args.min_lines,
+                         "--level", args.level])
         print(f"generation: {time.monotonic() - start:.1f} s (exit code {code})")
         if code:
             return code
     report = json.loads((Path(args.out_dir) / "report.json").read_text())
     dirs = [str(Path(args.out_dir) / t["id"]) for t in report["tasks"]]
-    for flags in ([], ["--solution"]):
+    for flags, name in (([], "check-workspace.jsonl"), (["--solution"], "check-solution.jsonl")):
         start = time.monotonic()
-        cli.main(["tasks", "check", *dirs, *flags, "--workers", args.workers, "--json", "/dev/null"])
+        cli.main(["tasks", "check", *dirs, *flags, "--workers", args.workers, "--json", str(Path(args.out_dir) / name)])
         print(f"tasks check {' '.join(flags) or '(workspace)'}: {time.monotonic() - start:.1f} s")
     return 0
 

@@ -43,7 +43,8 @@ def _run_feature_deletion(args) -> int:
     try:
         config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
                                        test_command=args.test_command, timeout_s=args.timeout,
-                                       min_lines=args.min_lines, backend=args.backend, held_out=args.held_out)
+                                       min_lines=args.min_lines, backend=args.backend, held_out=args.held_out,
+                                       level=args.level)
         report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
     except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
@@ -124,6 +125,10 @@ def _add_tasks(sub) -> None:
                    help="lines of code a deletion must remove, at least (default 3)")
     f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
                    help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    f.add_argument("--level", default="body",
+                   help="what a task deletes: 'body' (the body of one definition; signature and docstring stay), "
+                        "'definition' (the whole definition) or 'feature' (every definition that only its tests "
+                        "run, across modules, and the modules left empty) (default body)")
     t = subcommand(tasks_sub, "list", _run_tasks_list, "table of the tasks in a directory",
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")

@@ -5,7 +5,8 @@
 2. The baseline: the tests run once in the sandbox with tracing (tracing.run_baseline); tests that do
    not pass then, and tests whose node ids a second collection under another hash seed does not name
    (unstable ids), are left out of every task, and reported.
-3. Candidates: functions, methods and classes that specific passing tests run (candidates.py).
+3. Candidates: functions, methods and classes that specific passing tests run (candidates.py), and
+   what deleting each takes away at the `level` (levels.py: body, definition or feature).
 4. In seed order, `workers` at a time, each candidate is deleted in a staged copy, leaks are scrubbed
    (scrub.py) and the tests run in the sandbox (check.check_task). A task is kept only if some tests
    now fail, all of them tests that ran the feature (the targets), every other passing test still
@@ -33,8 +34,9 @@ from pathlib import Path
 from composer_jax.sandbox import Sandbox, run_parallel
 from composer_jax.tasks.candidates import NOT_CANDIDATE, Candidate, select_candidates
 from composer_jax.tasks.check import check_task
-from composer_jax.tasks.features import Deletion, docstring, signature
+from composer_jax.tasks.features import Deletion, docstring, signature, word_counts
 from composer_jax.tasks.format import load_task
+from composer_jax.tasks.levels import CONTINUE_ON_COLLECTION_ERRORS, LEVELS, level_instruction, target_list
 from composer_jax.tasks.scrub import (clean_copy, find_leaks, installed_copies, kept_code, leak_needles, repo_texts,
                                       scrub_leaks, top_level_names)
 from composer_jax.tasks.tracing import UNSTABLE_REASON, Baseline, FeatureDeletionError, run_baseline
@@ -44,7 +46,6 @@ DEFAULT_TEST_COMMAND = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -q"
 REJECTED = ("no_test_fails", "collateral_failures", "timeout", "run_error", "solution_fails", "leak")
 MIN_TASK_TIMEOUT_S = 30.0
 TASK_TIMEOUT_FACTOR = 3        # a task's time limit: this many times the (traced) baseline run
-MAX_LISTED_TESTS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,12 @@ class FeatureDeletionConfig:
     max_target_fraction: float = 0.5     # run by more of the passing tests, a definition is not specific
     backend: str = "bwrap"
     held_out: int = 0                    # the last kept tasks (by id) go to OUT_DIR/held-out/: for evaluation only
+    level: str = "body"                  # how much of a feature a task deletes: one of LEVELS (levels.py)
 
     def __post_init__(self):
+        if self.level not in LEVELS:
+            raise FeatureDeletionError(f"--level must be one of {', '.join(LEVELS)}, "
+                                       f"got {self.level!r}")
         for name in ("max_tasks", "workers", "min_lines", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise FeatureDeletionError(f"feature deletion setting '{name}' must be > 0, got {getattr(self, name)}")
@@ -114,10 +119,7 @@ def instruction(deletion: Deletion, targets: list[str], command: str) -> str:
         doc = docstring(d)
         about = f"Its docstring:\n{textwrap.indent(doc, '    ')}" if doc else "It has no docstring."
         parts.append(f"{textwrap.indent(signature(d), '    ')}\n{about}")
-    listed = "\n".join(f"- {t}" for t in targets[:MAX_LISTED_TESTS])
-    if len(targets) > MAX_LISTED_TESTS:
-        listed += f"\n- ... and {len(targets) - MAX_LISTED_TESTS} more"
-    parts.append(f"These tests fail now and must pass, and every other test must keep passing:\n{listed}")
+    parts.append(target_list(targets))
     parts.append(f"Run the tests with: {command}")
     return "\n\n".join(parts)
 
@@ -126,9 +128,9 @@ def _write_task(root: Path, candidate: Candidate, ctx: _Context, targets: list[s
                 text: str) -> None:
     d = candidate.deletion
     meta = {"id": candidate.id, "instruction": text, "test_command": ctx.command, "target_tests": targets,
-            "pass_to_pass": keep, "timeout_s": ctx.timeout_s,
+            "pass_to_pass": keep, "timeout_s": ctx.timeout_s, "level": d.level,
             "difficulty": {"deleted_lines": d.deleted_lines, "deleted_definitions": d.definitions,
-                           "target_tests": len(targets), "pass_rate": None}}
+                           "deleted_files": len(d.deleted_files), "target_tests": len(targets), "pass_rate": None}}
     (root / "task.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
@@ -141,10 +143,16 @@ def _evaluate(candidate: Candidate, ctx: _Context) -> Outcome:
     stage = ctx.stage / candidate.id
     d = candidate.deletion
     repo = copy_repo(ctx.base, stage / "repo")
-    (repo / d.path).write_text(d.modified, encoding="utf-8")
-    needles = leak_needles(d, kept_code(ctx.texts, d))
+    for edit in d.files:
+        if edit.modified is None:
+            (repo / edit.path).unlink()
+        else:
+            (repo / edit.path).write_text(edit.modified, encoding="utf-8")
+    kept = kept_code(ctx.texts, d)
+    needles = leak_needles(d, kept)
     removed = tuple(scrub_leaks(repo, needles))
-    (stage / "solution.patch").write_text(unified_diff(d.path, d.modified, d.original), encoding="utf-8")
+    (stage / "solution.patch").write_text("".join(unified_diff(e.path, e.modified, e.original) for e in d.files),
+                                          encoding="utf-8")
     passed = list(ctx.baseline.passed)
 
     def reject(reason: str, detail: str) -> Outcome:
@@ -164,8 +172,9 @@ def _evaluate(candidate: Candidate, ctx: _Context) -> Outcome:
         return reject("collateral_failures", f"{len(collateral)} tests that never ran it fail, e.g. "
                                              f"{_first(collateral, ctx.baseline.tests)}")
     targets = [t for t in passed if t in failing]
-    _write_task(stage, candidate, ctx, targets, [t for t in passed if t not in failing],
-                instruction(d, targets, ctx.command))
+    text = (instruction(d, targets, ctx.command) if d.level == "body" else
+            level_instruction(d, targets, ctx.command, ctx.texts, word_counts(kept)))
+    _write_task(stage, candidate, ctx, targets, [t for t in passed if t not in failing], text)
     solved = check_task(load_task(stage), ctx.sandbox, solution=True)
     if solved.status != "ok" or solved.reward != 1.0:
         return reject("solution_fails", solved.detail or f"{len(solved.failed)} tests fail with solution.patch, "
@@ -206,7 +215,9 @@ def _try_all(candidates: list[Candidate], ctx: _Context, config: FeatureDeletion
             if outcome.reason is None:
                 kept += 1
                 shutil.move(outcome.stage, out / name)
-                log(f"[{len(outcomes)}/{len(candidates)}] {name}: kept, {outcome.targets} target tests")
+                d = outcome.candidate.deletion
+                log(f"[{len(outcomes)}/{len(candidates)}] {name}: kept, {outcome.targets} target tests, "
+                    f"{d.definitions} definitions and {len(d.deleted_files)} files deleted")
             else:
                 log(f"[{len(outcomes)}/{len(candidates)}] {name}: rejected, {outcome.reason}: {outcome.detail}")
     return outcomes
@@ -241,11 +252,14 @@ def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDel
                 f"{baseline.unstable[0]}")
         texts = repo_texts(base)
         candidates, skipped = select_candidates(texts, baseline, min_lines=config.min_lines,
-                                                max_target_fraction=config.max_target_fraction, seed=config.seed)
+                                                max_target_fraction=config.max_target_fraction, seed=config.seed,
+                                                level=config.level)
         log(f"{len(candidates)} candidates ({sum(skipped.values())} definitions are not: {_counts(skipped)})")
         out.mkdir(parents=True, exist_ok=True)
         (Path(tmp) / "stage").mkdir()
-        ctx = _Context(sandbox, base, Path(tmp) / "stage", texts, baseline, command,
+        # at the levels that delete whole definitions, a test module may not import: the others still run
+        task_command = command if config.level == "body" else f"{command} {CONTINUE_ON_COLLECTION_ERRORS}"
+        ctx = _Context(sandbox, base, Path(tmp) / "stage", texts, baseline, task_command,
                        max(MIN_TASK_TIMEOUT_S, math.ceil(TASK_TIMEOUT_FACTOR * baseline.seconds)))
         outcomes = _try_all(candidates, ctx, config, out, log)
     report = _report(repo, command, config, baseline, candidates, skipped, outcomes, time.monotonic() - start)
@@ -276,7 +290,8 @@ def _report(repo: Path, command: str, config: FeatureDeletionConfig, baseline: B
             skipped: Counter, outcomes: list[Outcome], seconds: float) -> dict:
     rejected = Counter(o.reason for o in outcomes if o.reason)
     return {
-        "repo": str(repo), "test_command": command, "seed": config.seed, "seconds": round(seconds, 1),
+        "repo": str(repo), "test_command": command, "level": config.level, "seed": config.seed,
+        "seconds": round(seconds, 1),
         "baseline": {"tests": len(baseline.tests), "passed": len(baseline.passed), "skipped": len(baseline.skipped),
                      "left_out": list(baseline.failing),
                      "unstable_ids": {"tests": list(baseline.unstable), "reason": UNSTABLE_REASON},
@@ -287,6 +302,8 @@ def _report(repo: Path, command: str, config: FeatureDeletionConfig, baseline: B
         "tasks": [{"id": o.candidate.id, "path": o.candidate.deletion.path,
                    "definition": o.candidate.deletion.feature.qualname, "kind": o.candidate.deletion.feature.kind,
                    "target_tests": o.targets, "deleted_lines": o.candidate.deletion.deleted_lines,
+                   "deleted_definitions": o.candidate.deletion.definitions,
+                   "deleted_files": list(o.candidate.deletion.deleted_files),
                    "removed_files": list(o.removed_files)} for o in outcomes if o.reason is None],
         "rejections": [{"id": o.candidate.id, "reason": o.reason, "detail": o.detail} for o in outcomes if o.reason],
     }
@@ -302,7 +319,9 @@ def summary(report: dict) -> str:
         left_out += f", {unstable} left out (unstable ids)"
     baseline = (f"baseline: {b['tests']} tests, {b['passed']} pass, {b['skipped']} skipped, {left_out} "
                 f"({b['seconds']} s)")
-    candidates = f"candidates: {report['candidates']} (not candidates: {_counts(Counter(report['not_candidates']))})"
+    level = report.get("level", "body")
+    candidates = (f"candidates{'' if level == 'body' else f' (level {level})'}: {report['candidates']} "
+                  f"(not candidates: {_counts(Counter(report['not_candidates']))})")
     tried = (f"tried {report['tried']}: kept {report['kept']}, rejected {rejected} "
              f"({_counts(Counter(report['rejected']))}); {report['seconds']} s")
     held = report.get("held_out") or []

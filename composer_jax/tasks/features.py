@@ -5,7 +5,8 @@ keeps the interface: a function's body after its docstring becomes `raise NotImp
 (decorators, signature and docstring stay, so callers and tests still import and call it). Private
 helpers (`_name` functions and classes of the module, `_name` methods of the same class) go whole
 when nothing but the deleted code names them anywhere in the repository; a name inside a string
-counts as a use, so `getattr(obj, "_helper")` keeps a helper.
+counts as a use, so `getattr(obj, "_helper")` keeps a helper. That is the `body` level; levels.py
+removes whole definitions (the `definition` and `feature` levels) with the same pieces.
 """
 
 from __future__ import annotations
@@ -127,19 +128,35 @@ def body_span(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) ->
     return start, node.end_lineno
 
 
+@dataclasses.dataclass(frozen=True)
+class FileEdit:
+    path: str
+    original: str
+    modified: str | None                 # None: the file is deleted
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Deletion:
     feature: Definition
     stubbed: tuple[Definition, ...]      # bodies replaced by the stub (the feature, or a class's methods)
-    helpers: tuple[Definition, ...]      # private helpers removed whole
-    original: str                        # the module's text before and after
-    modified: str
+    helpers: tuple[Definition, ...]      # definitions removed whole (level body: the private helpers only it used)
+    files: tuple[FileEdit, ...]          # the changed files, the feature's module first
     removed: tuple[str, ...]             # the deleted lines, as they were
     strings: frozenset[str]              # string constants of the deleted code
+    level: str = "body"                  # see levels.py
+    imports_cleaned: tuple[str, ...] = ()   # modules whose imports of deleted code were removed
 
     @property
     def path(self) -> str:
         return self.feature.path
+
+    @property
+    def original(self) -> str:
+        return self.files[0].original
+
+    @property
+    def modified(self) -> str | None:
+        return self.files[0].modified
 
     @property
     def deleted_lines(self) -> int:
@@ -152,10 +169,28 @@ class Deletion:
 
     @property
     def definitions(self) -> int:
-        return len(self.stubbed) + len(self.helpers)
+        """Stubbed and removed definitions; a class removed whole counts with the definitions inside it."""
+        return len(self.stubbed) + sum(count_definitions(h.node) for h in self.helpers)
+
+    @property
+    def deleted_files(self) -> tuple[str, ...]:
+        return tuple(f.path for f in self.files if f.modified is None)
 
 
-def _private_helpers(feature: Definition, definitions: list[Definition], lines: list[str],
+def count_definitions(node: ast.AST) -> int:
+    """1 for a function; for a class, 1 and the definitions in its body (as find_definitions counts them)."""
+    if not isinstance(node, ast.ClassDef):
+        return 1
+    return 1 + sum(count_definitions(n) for n in node.body
+                   if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+
+def module_name(path: str) -> str:
+    """'src/pkg/mod.py' -> 'pkg.mod'; 'pkg/__init__.py' -> 'pkg'."""
+    return re.sub(r"^src/", "", path).removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def private_helpers(feature: Definition, definitions: list[Definition], lines: list[str],
                      removed: Counter, counts: Counter) -> list[Definition]:
     """Private definitions that only the removed code names (searched to a fixed point: a helper of a
     removed helper goes too). `removed`: word counts of the stubbed bodies; `counts`: the repository's."""
@@ -175,8 +210,9 @@ def _private_helpers(feature: Definition, definitions: list[Definition], lines: 
     return chosen
 
 
-def _helper_span(d: Definition, lines: list[str]) -> tuple[int, int]:
-    """A helper's lines with the comment block right above it and the blank lines after it."""
+def whole_span(d: Definition, lines: list[str]) -> tuple[int, int]:
+    """The lines of a definition removed whole: with the comment block right above it and the blank
+    lines after it."""
     start, end = d.start, d.end
     while start > 1 and lines[start - 2].lstrip().startswith("#"):
         start -= 1
@@ -188,12 +224,12 @@ def _helper_span(d: Definition, lines: list[str]) -> tuple[int, int]:
     return start, end
 
 
-def _indent(lines: list[str], stmt: ast.stmt) -> str:
+def indent_of(lines: list[str], stmt: ast.stmt) -> str:
     """The whitespace before a statement, as written (tabs stay tabs)."""
     return lines[stmt.lineno - 1][:stmt.col_offset]
 
 
-def _strings(nodes: Iterable[ast.AST]) -> set[str]:
+def strings_in(nodes: Iterable[ast.AST]) -> set[str]:
     return {n.value for node in nodes for n in ast.walk(node)
             if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
@@ -215,18 +251,18 @@ def plan_deletion(feature: Definition, definitions: list[Definition], source: st
     if not spans:
         return reasons[0] if reasons else "no_body"
     removed_words = word_counts("".join(lines[s - 1:e]) for s, e in spans.values())
-    helpers = _private_helpers(feature, definitions, lines, removed_words, counts)
-    edits = [(s, e, [_indent(lines, _deleted_body(d.node)[0]) + STUB + "\n"]) for d, (s, e) in spans.items()]
-    edits += [(*_helper_span(h, lines), []) for h in helpers]
+    helpers = private_helpers(feature, definitions, lines, removed_words, counts)
+    edits = [(s, e, [indent_of(lines, _deleted_body(d.node)[0]) + STUB + "\n"]) for d, (s, e) in spans.items()]
+    edits += [(*whole_span(h, lines), []) for h in helpers]
     new, removed = list(lines), []
     for start, end, replacement in sorted(edits, reverse=True):  # bottom-up: earlier line numbers stay valid
         removed[:0] = lines[start - 1:end]
         new[start - 1:end] = replacement
     modified = "".join(new)
     ast.parse(modified)  # stubs and whole removals keep the module valid: a SyntaxError here is a bug
-    return Deletion(feature=feature, stubbed=tuple(spans), helpers=tuple(helpers), original=source,
-                    modified=modified, removed=tuple(removed),
-                    strings=frozenset(_strings([s for d in spans for s in _deleted_body(d.node)] +
+    return Deletion(feature=feature, stubbed=tuple(spans), helpers=tuple(helpers),
+                    files=(FileEdit(feature.path, source, modified),), removed=tuple(removed),
+                    strings=frozenset(strings_in([s for d in spans for s in _deleted_body(d.node)] +
                                                [h.node for h in helpers])))
 
 

@@ -3,16 +3,17 @@
     TASK_DIR/
       repo/            the workspace the agent edits (copied before anything runs in it)
       task.json        {"id", "instruction", "test_command", "target_tests", ["pass_to_pass"], ["timeout_s"],
-                        ["difficulty"]}
+                        ["level"], ["difficulty"]}
       solution.patch   a unified diff, -p1 relative to repo/ (kept outside repo/ so the agent never sees it)
 
 `test_command` runs from the root of repo/ (e.g. "python -m pytest -q tests"); `target_tests` are pytest
 node ids (`path/to/test_file.py::[Class::]name[param]`, relative to repo/) the work must make pass
 (may be empty: then the command's exit code decides); `pass_to_pass` are node ids that must keep
-passing. `difficulty` (optional) describes how hard the task is: `deleted_lines`, `deleted_definitions`,
-`target_tests` (counts, set by the generator) and `pass_rate` (null until the RL loop records the
-share of its samples that solved the task, `write_pass_rate`). `load_task` validates everything and
-raises TaskError naming the task and the field.
+passing. `level` (optional, one of LEVELS) is how much of a feature the generator deleted
+(tasks/levels.py). `difficulty` (optional) describes how hard the task is: `deleted_lines`,
+`deleted_definitions`, `deleted_files`, `target_tests` (counts, set by the generator) and `pass_rate`
+(null until the RL loop records the share of its samples that solved the task, `write_pass_rate`).
+`load_task` validates everything and raises TaskError naming the task and the field.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import re
 from pathlib import Path, PurePosixPath
 
 REQUIRED = ("id", "instruction", "test_command", "target_tests")
-OPTIONAL = ("pass_to_pass", "timeout_s", "difficulty")
-DIFFICULTY_COUNTS = ("deleted_lines", "deleted_definitions", "target_tests")
+OPTIONAL = ("pass_to_pass", "timeout_s", "level", "difficulty")
+DIFFICULTY_COUNTS = ("deleted_lines", "deleted_definitions", "deleted_files", "target_tests")
+LEVELS = ("body", "definition", "feature")
 DEFAULT_TIMEOUT_S = 60.0
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -48,6 +50,7 @@ class Task:
     timeout_s: float
     root: Path          # the task directory
     difficulty: dict = dataclasses.field(default_factory=dict)   # DIFFICULTY_COUNTS and pass_rate, when given
+    level: str | None = None     # one of LEVELS, when given
 
     @property
     def pass_rate(self) -> float | None:
@@ -177,11 +180,14 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(name, "timeout_s", f"must be a positive number of seconds, got {timeout!r}")
     if not (root / "repo").is_dir():
         raise TaskError(name, "repo", f"missing: {root / 'repo'} must be a directory (the workspace)")
+    level = meta.get("level")
+    if level is not None and level not in LEVELS:
+        raise TaskError(name, "level", f"must be one of {', '.join(LEVELS)}, got {level!r}")
     _check_patch(name, root / "solution.patch")
     return Task(id=task_id, instruction=_text(name, "instruction", meta["instruction"]),
                 test_command=_text(name, "test_command", meta["test_command"]), target_tests=targets,
                 pass_to_pass=keep, timeout_s=float(timeout), root=root.resolve(),
-                difficulty=_difficulty(name, meta.get("difficulty", {})))
+                difficulty=_difficulty(name, meta.get("difficulty", {})), level=level)
 
 
 def write_pass_rate(path: str | Path, pass_rate: float) -> Task:

@@ -5,11 +5,12 @@
    `.pyright`, `.ruff_cache`), `.pytest_cache`, `.tox`, `.nox`, virtual environments, and
    `build/`, `dist/`, `*.egg-info`, wheels and eggs: a type-checker cache holds signatures, bytecode
    decompiles, an sdist or a build directory holds the whole module.
-2. Per task, `leak_needles` are the deleted code's lines (stripped), string constants and removed
-   helper names that occur nowhere in the code that stays (the repository's Python files after the
-   deletion, and its test files); `scrub_leaks` deletes every other file that contains one (docs,
-   changelogs or READMEs quoting the code, anything else) and symlinks that point out of the
-   workspace; `find_leaks` scans every file's bytes (binary ones included) for them.
+2. Per task, at every level (levels.py), `leak_needles` are the deleted code's lines (stripped),
+   string constants and removed helper names that occur nowhere in the code that stays (the
+   repository's Python files after the deletion, and its test files); `scrub_leaks` deletes every
+   other file that contains one (docs, changelogs or READMEs quoting the code, anything else) and
+   symlinks that point out of the workspace; `find_leaks` scans every file's bytes (binary ones
+   included) for them.
 3. `installed_copies`: the repository's packages must not be importable in the sandbox without the
    workspace (an installed copy would hand the agent the deleted code, and shadow its work).
 """
@@ -57,8 +58,10 @@ def repo_texts(repo: Path) -> dict[str, str]:
 
 
 def kept_code(texts: dict[str, str], deletion: Deletion) -> list[str]:
-    """repo_texts with the deleted module as it is after the deletion."""
-    return [deletion.modified if rel == deletion.path else text for rel, text in texts.items()]
+    """repo_texts with the changed modules as they are after the deletion (a deleted one left out)."""
+    edited = {f.path: f.modified for f in deletion.files}
+    after = (edited.get(rel, text) for rel, text in texts.items())
+    return [text for text in after if text is not None]
 
 
 def leak_needles(deletion: Deletion, kept: list[str]) -> set[str]:
@@ -67,7 +70,9 @@ def leak_needles(deletion: Deletion, kept: list[str]) -> set[str]:
     blob = "\n".join(kept)
     found = {line.strip() for line in deletion.removed if len(line.strip()) >= MIN_NEEDLE_CHARS}
     found |= {s for s in deletion.strings if len(s.strip()) >= MIN_NEEDLE_CHARS and "\n" not in s.strip()}
-    found |= {h.name for h in deletion.helpers if len(h.name) >= MIN_NAME_CHARS}
+    # names of removed private helpers; not the feature's own (the instruction names it), nor dunders
+    found |= {h.name for h in deletion.helpers if len(h.name) >= MIN_NAME_CHARS and h is not deletion.feature
+              and not (h.name.startswith("__") and h.name.endswith("__"))}
     return {n for n in found if n not in blob}
 
 

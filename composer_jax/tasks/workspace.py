@@ -118,11 +118,13 @@ def restore_tests(original: Path, workspace: Path, extra: set[str] = frozenset()
     return changed
 
 
-def unified_diff(rel: str, before: str, after: str) -> str:
-    """A -p1 unified diff of one file (a/rel -> b/rel) as `git apply` reads it, with git's marker after a
-    last line that has no newline."""
+def unified_diff(rel: str, before: str | None, after: str) -> str:
+    """A -p1 unified diff of one file (a/rel -> b/rel; `before` None: the file is created, from /dev/null)
+    as `git apply` reads it, with git's marker after a last line that has no newline."""
     out = []
-    for line in difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{rel}", f"b/{rel}"):
+    lines = difflib.unified_diff((before or "").splitlines(True), after.splitlines(True),
+                                 "/dev/null" if before is None else f"a/{rel}", f"b/{rel}")
+    for line in lines:
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
 
