@@ -51,7 +51,11 @@ SERIES = ("reward_mean", "tool_turn_error_rate", "loss_sd", "sd_windows")
 
 
 def cli(*argv: str) -> None:
-    subprocess.run([sys.executable, "-m", "composer_jax.cli", *argv], check=True)
+    """`composer-jax ARGV`; on failure the experiment stops with one line (the command printed its error)."""
+    rc = subprocess.run([sys.executable, "-m", "composer_jax.cli", *argv], check=False).returncode
+    if rc:
+        sys.exit(f"experiment_feedback: `composer-jax {' '.join(argv[:2])} ...` failed (exit {rc}); finished runs "
+                 "are kept and a rerun reuses them")
 
 
 def sft(out: Path, wrong_tool_share: float, hinted_share: float) -> Path:
