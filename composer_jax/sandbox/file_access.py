@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import posixpath
 import re
+import shlex
 import shutil
 import subprocess
 import threading
@@ -24,12 +25,13 @@ from composer_jax.sandbox.limits import FileAccess, SandboxUnavailable
 OPENS = ("open", "openat", "openat2", "creat")
 EXECS = ("execve", "execveat")
 FORKS = ("clone", "clone3", "fork", "vfork")   # traced only to know which process a child belongs to
-STRACE_OPTIONS = ("-f", "-qq", "-z", "-y", "-s", "256", "--seccomp-bpf", "-e", "signal=none",
+STRACE_OPTIONS = ("-f", "-qq", "-z", "-y", "--pidns-translation", "-s", "256", "--seccomp-bpf", "-e", "signal=none",
                   "-e", "trace=" + ",".join(OPENS + EXECS + FORKS))
 PROCESS_CHARS = 200                             # of a process's command line in a FileAccess
 
 _LINE = re.compile(r"(\d+) +(.*)")
-_CALL = re.compile(r"(\w+)\((.*)\) += (-?\d+)(?:<(.*)>)?(?: \(.*\))?")
+# name(arguments) = result, the opened file's path (-y), a child's pid as the tracer sees it (--pidns-translation)
+_CALL = re.compile(r"(\w+)\((.*)\) += (-?\d+)(?:<(.*)>)?(?: /\* (\d+) in strace's PID NS \*/)?")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"(\.\.\.)?')
 _UNFINISHED = " <unfinished ...>"
 
@@ -96,7 +98,8 @@ def parse_trace(text: str, workspace: str, *, wrapped: bool) -> tuple[FileAccess
             rest = pending.pop(pid, "") + rest.split(" resumed>", 1)[-1]
         call = _CALL.fullmatch(rest)
         if call:
-            calls.append((pid, *call.groups()))
+            name, args, ret, fd_path, child = call.groups()
+            calls.append((pid, name, args, child or ret, fd_path))
     parent = {ret: pid for pid, name, _, ret, _ in calls if name in FORKS}
     process: dict[str, str] = {}
     wrapper: set[str] = set()
@@ -115,14 +118,15 @@ def parse_trace(text: str, workspace: str, *, wrapped: bool) -> tuple[FileAccess
         strings = _STRING.findall(args)
         if name in EXECS:
             argv = [_unquote(s) + more for s, more in strings[1:]]
-            process[pid] = " ".join(argv)[:PROCESS_CHARS]
+            process[pid] = shlex.join(argv)[:PROCESS_CHARS]
             path = _unquote(strings[0][0]) if strings else ""
         else:
             path = _unquote(fd_path) if fd_path else _unquote(strings[0][0]) if strings else ""
         if not path:
             continue
+        path = _normalize(path, workspace) + ("/" if "O_DIRECTORY" in args else "")   # a directory, to list
         owner = pid
         while owner not in process and owner in parent:
             owner = parent[owner]
-        found[FileAccess(name, _normalize(path, workspace), process.get(owner, "?"))] = None
+        found[FileAccess(name, path, process.get(owner, "?"))] = None
     return tuple(found)

@@ -44,8 +44,9 @@ class FileAccess:
 
     syscall: str    # open, openat, openat2, creat (the opened file), execve, execveat (the program)
     path: str       # the file itself, symlinks resolved: relative to the workspace when inside it, else
-                    # absolute as the command saw it ('/usr/lib/...')
-    process: str    # the command line the opening process was started with (as strace shows it)
+                    # absolute as the command saw it ('/usr/lib/...'); a directory opened to list it ends
+                    # with '/' ('./' the workspace itself)
+    process: str    # the command line that started the opening process (shell-quoted; strace cuts long words: ...)
 
 
 @dataclasses.dataclass(frozen=True)

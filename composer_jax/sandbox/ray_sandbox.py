@@ -25,7 +25,7 @@ from pathlib import Path
 from composer_jax.sandbox.limits import Limits, RunResult, SandboxError, SandboxUnavailable
 from composer_jax.sandbox.runner import SANDBOX_WORKSPACE, Sandbox
 
-_worker_sandboxes: dict[tuple[Limits, bool], Sandbox] = {}   # per Ray worker process: bwrap is probed once
+_worker_sandboxes: dict[Limits, Sandbox] = {}   # per Ray worker process: bwrap is probed once
 
 
 def pack(directory: Path) -> bytes:
@@ -58,15 +58,14 @@ def unpack(data: bytes, directory: Path) -> None:
 
 def _run_on_worker(packed: bytes, command, limits: Limits, env, record_file_access: bool) -> tuple[RunResult, bytes]:
     """A Ray task: the command in this machine's bwrap sandbox on a copy of the workspace."""
-    sandbox = _worker_sandboxes.get((limits, record_file_access))
+    sandbox = _worker_sandboxes.get(limits)
     if sandbox is None:
-        sandbox = _worker_sandboxes[limits, record_file_access] = Sandbox("bwrap", limits,
-                                                                          record_file_access=record_file_access)
+        sandbox = _worker_sandboxes[limits] = Sandbox("bwrap", limits)
     with tempfile.TemporaryDirectory(prefix="composer_jax-ray-") as tmp:
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
         unpack(packed, workspace)
-        result = sandbox.run(command, workspace, limits=limits, env=env)
+        result = sandbox.run(command, workspace, limits=limits, env=env, record_file_access=record_file_access)
         return result, pack(workspace)
 
 
@@ -74,32 +73,33 @@ class RaySandbox:
     """`Sandbox.run` on a Ray cluster (module docstring). Thread-safe: one serves a whole worker pool.
 
     address: the cluster (default: RAY_ADDRESS, else a Ray started on this machine); num_cpus: the CPUs
-    one command reserves on its worker; record_file_access: as Sandbox's (strace on every worker)."""
+    one command reserves on its worker."""
 
     backend = "ray"
     workspace_path = SANDBOX_WORKSPACE   # the workers run bwrap
 
-    def __init__(self, limits: Limits | None = None, *, address: str | None = None, num_cpus: float = 1.0,
-                 record_file_access: bool = False):
+    def __init__(self, limits: Limits | None = None, *, address: str | None = None, num_cpus: float = 1.0):
         try:
             import ray
         except ImportError:
             raise SandboxUnavailable("sandbox backend 'ray' needs Ray: pip install 'composer-jax[ray]'") from None
-        self.limits, self.record_file_access = limits or Limits(), record_file_access
+        self.limits = limits or Limits()
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self._ray = ray
         self._remote = ray.remote(_run_on_worker).options(num_cpus=num_cpus, max_retries=0)
 
     def run(self, command: str | Sequence[str], workspace: str | os.PathLike, *, limits: Limits | None = None,
-            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None) -> RunResult:
-        """As `Sandbox.run`, on a Ray worker; afterwards `workspace` holds what the command left there."""
+            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None,
+            record_file_access: bool = False) -> RunResult:
+        """As `Sandbox.run`, on a Ray worker (whose strace records the file accesses); afterwards
+        `workspace` holds what the command left there."""
         if ro_binds:
             raise SandboxError("sandbox ro_binds name paths of this machine: the 'ray' backend cannot mount them")
         workspace = Path(workspace).resolve()
         if not workspace.is_dir():
             raise SandboxError(f"sandbox workspace {workspace} is not a directory")
         result, packed = self._ray.get(self._remote.remote(pack(workspace), command, limits or self.limits,
-                                                           dict(env or {}), self.record_file_access))
+                                                           dict(env or {}), record_file_access))
         unpack(packed, workspace)
         return result

