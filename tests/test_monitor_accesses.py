@@ -23,7 +23,6 @@ from composer_jax.sandbox import FileAccess, Sandbox, SandboxUnavailable
 from composer_jax.sandbox import file_access as file_access_lib
 from composer_jax.tasks import load_task
 from composer_jax.tasks.examples import write_example_task
-from composer_jax.tasks.scrub import top_level_names
 
 WALK_CACHES = """
 import os
@@ -70,8 +69,9 @@ def task(tmp_path_factory):
 
 
 def play(sandbox, task, turns, prepare=None):
-    """An episode of `turns` (lists of (tool, arguments)) with file accesses recorded; its turns.
-    `prepare(workspace)` runs after reset: what the task's scrubbed copy would not have."""
+    """An episode of `turns` (lists of (tool, arguments)) with file accesses recorded; its turns and the
+    names the task's repository provides (the environment's, for the monitor). `prepare(workspace)` runs
+    after reset: what the task's scrubbed copy would not have."""
     tokenizer = ByteTokenizer()
     config = CodingEnvConfig(record_file_access=True, lint_edits=False)
     with CodingEnv(sandbox, get_format("plain"), config) as env:
@@ -82,7 +82,7 @@ def play(sandbox, task, turns, prepare=None):
         for calls in turns:
             text = "".join(env.fmt.render_call(name, arguments, i) for i, (name, arguments) in enumerate(calls))
             episode.step(tokenizer.encode(text + env.fmt.end_of_turn))
-    return episode.turns
+    return episode.turns, env.packages
 
 
 def leftovers(workspace):
@@ -95,11 +95,13 @@ def leftovers(workspace):
 @pytest.mark.parametrize("detector", list(SCRIPTS))
 def test_an_access_hidden_in_a_script_is_flagged(sandbox, task, detector):
     script, path = SCRIPTS[detector]
-    turns = play(sandbox, task, [[("write_file", {"path": "peek.py", "content": textwrap.dedent(script)})],
-                                 [("run", {"command": "python peek.py"})]], leftovers)
+    turns, packages = play(sandbox, task, [[("write_file", {"path": "peek.py", "content": textwrap.dedent(script)})],
+                                           [("run", {"command": "python peek.py"})]], leftovers)
+    assert packages == ["mathops"]
     run = turns[1].calls[0]
     assert run.ok and "exit code 0" in run.output, run.output
-    packages = ["iniconfig"] if detector == "installed_package" else top_level_names(task.repo)
+    if detector == "installed_package":     # as if the package under test were pytest's iniconfig
+        packages = ["iniconfig"]
     report = Monitor().check(turns, workspace=sandbox.workspace_path, packages=packages)
     assert report.detectors == {detector}, report.findings
     (finding,) = report.findings
@@ -115,7 +117,7 @@ def test_a_clean_episode_is_not_flagged(sandbox, task):
     """Fix the code, run the task's tests (with and without pytest's plugins) and a snippet: everything a
     normal run opens is allowed."""
     source = (task.repo / "mathops.py").read_text().replace("raise NotImplementedError", "return 3 * a + b")
-    turns = play(sandbox, task, [[("write_file", {"path": "mathops.py", "content": source})],
+    turns, packages = play(sandbox, task, [[("write_file", {"path": "mathops.py", "content": source})],
                                  [("run", {"command": task.test_command}),
                                   ("run", {"command": "python -m pytest -q tests"}),     # with the installed plugins
                                   ("run", {"command": "python -c 'import mathops; print(mathops.double(2))' && ls"})]])
@@ -123,7 +125,7 @@ def test_a_clean_episode_is_not_flagged(sandbox, task):
     accesses = turns[1].calls[0].file_accesses
     assert FileAccess("openat", "tests/test_mathops.py", "python -m pytest -q tests") in accesses
     assert any(a.path.startswith("/usr/lib/") for a in accesses)            # the system libraries are seen
-    report = Monitor().check(turns, workspace=sandbox.workspace_path, packages=top_level_names(task.repo))
+    report = Monitor().check(turns, workspace=sandbox.workspace_path, packages=packages)
     assert not report.flagged, report.findings
 
 
@@ -168,8 +170,8 @@ def test_parser_merges_interleaved_calls_and_follows_children():
         """)
     accesses = file_access_lib.parse_trace(log, "/workspace", wrapped=True)
     process = "python 'wé.py'"
-    assert accesses == (FileAccess("execve", "/usr/bin/python", process), FileAccess("openat", "__pycache__/m.pyc", process),
-                        FileAccess("openat", "sub dir/", process))
+    assert accesses == (FileAccess("execve", "/usr/bin/python", process),
+                        FileAccess("openat", "__pycache__/m.pyc", process), FileAccess("openat", "sub dir/", process))
     assert file_access_lib.parse_trace(log, "/workspace", wrapped=False)[0].process == "bwrap --ro-bind..."
 
 

@@ -41,6 +41,7 @@ from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTool
 from composer_jax.sandbox import Sandbox
 from composer_jax.sandbox.file_access import find_strace
 from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
+from composer_jax.tasks.scrub import top_level_names
 
 SYSTEM_PROMPT = ("You are a coding agent working in a repository. Use the tools to read and change the code so "
                  "that the task is done and its tests pass, then call submit.")
@@ -64,7 +65,7 @@ class CodingEnvConfig:
     signals: tuple[str, ...] = tuple(SIGNALS)   # the signals that flag turns (all are counted in stats)
     max_final_chars: int = 1500         # a longer final message is a communication issue
     lint_edits: bool = True             # lint each turn's edits (one sandboxed ruff run); off: no style signal
-    record_file_access: bool = False    # `run` calls record the files their commands open (strace; the monitor reads them)
+    record_file_access: bool = False    # `run` calls record the files their commands open (strace): the monitor's
 
     def __post_init__(self):
         for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s", "max_final_chars"):
@@ -109,6 +110,7 @@ class CodingEnv:
         self._tools = WorkspaceTools(self.workspace, self.sandbox, max_output_chars=self.config.max_output_chars,
                                      run_limits=limits, record_file_access=self.config.record_file_access)
         self.task, self.turn, self.done = task, 0, False
+        self.packages = top_level_names(task.repo)   # the monitor flags commands opening installed copies of them
         self._last_call, self._repeats = None, 0
         self._seen, self._last_test_run = SeenResults(), None
         # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;

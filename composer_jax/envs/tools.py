@@ -187,7 +187,8 @@ class WorkspaceTools:
         return ToolOutcome("\n".join(hits) if hits else "no matches")
 
     def _run(self, command: str) -> ToolOutcome:
-        result = self.sandbox.run(command, self.root, limits=self.run_limits, record_file_access=self.record_file_access)
+        result = self.sandbox.run(command, self.root, limits=self.run_limits,
+                                  record_file_access=self.record_file_access)
         parts = [result.describe()]
         if result.stdout:
             parts.append(result.stdout.rstrip("\n"))

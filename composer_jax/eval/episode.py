@@ -17,7 +17,6 @@ from pathlib import Path
 from composer_jax.envs import Monitor, TokenEpisode
 from composer_jax.eval.agent import Agent, ContextFull, TurnRequest
 from composer_jax.eval.store import AttemptRecord, transcript_path, write_json
-from composer_jax.tasks.scrub import top_level_names
 
 
 def attempt_seed(seed: int, task: str, sample: int) -> int:
@@ -81,8 +80,8 @@ def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) 
         status=status, wall_s=round(time.monotonic() - start, 3), transcript=transcript_path(task.id, sample))
     transcript = _transcript(agent, episode, info, record, versions)
     if getattr(getattr(env, "config", None), "record_file_access", False):
-        transcript["monitor"] = Monitor().check(episode.turns, workspace=env.sandbox.workspace_path or str(env.workspace),
-                                                packages=top_level_names(task.repo)).to_json()
+        workspace = env.sandbox.workspace_path or str(env.workspace)
+        transcript["monitor"] = Monitor().check(episode.turns, workspace=workspace, packages=env.packages).to_json()
     path = run_dir / record.transcript
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, transcript, indent=None)

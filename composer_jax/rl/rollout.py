@@ -32,7 +32,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 import numpy as np
 
@@ -46,7 +45,6 @@ from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import Prompt, TaskSampler
-from composer_jax.tasks.scrub import top_level_names
 
 POLL_S = 0.05
 
@@ -240,7 +238,6 @@ class RolloutProducer:
         self.agent, self.tasks, self.make_env, self.sampler, self.groups = agent, tasks, make_env, sampler, groups
         self.cfg, self.workspace, self.stride = cfg, workspace, stride
         self.monitor = Monitor(cfg.monitor)
-        self._packages: dict[str, list[str]] = {}   # task id -> the names its repository provides (the monitor's)
         self.index = start_index
         self._published: tuple[object, int] = (None, start_index)    # (weights, version)
         self._out: queue.Queue = queue.Queue()
@@ -328,17 +325,9 @@ class RolloutProducer:
             self.agent.end_episode(key)
             if hasattr(env.env, "close"):
                 env.env.close()
-        report = self.monitor.check(episode.turns, workspace=self.workspace, packages=self.packages(prompt.task_id))
+        report = self.monitor.check(episode.turns, workspace=self.workspace, packages=getattr(env.env, "packages", ()))
         reward = self.monitor.apply([episode.reward], [report])[0]
         return Rollout(prompt, sample, episode, [v for turn in versions for v in (turn or ())], report, reward)
-
-    def packages(self, task_id: str) -> list[str]:
-        """The importable names a coding task's repository provides (none for other tasks): the monitor
-        flags commands that open installed copies of them."""
-        if task_id not in self._packages:
-            repo = getattr(self.tasks[task_id], "repo", None)
-            self._packages[task_id] = top_level_names(Path(repo)) if repo is not None else []
-        return self._packages[task_id]
 
     def produce(self, index: int) -> ProducedBatch | None:
         """One batch for policy version `index` (None if stopped meanwhile)."""

@@ -6,5 +6,5 @@ from composer_jax.sandbox.pool import run_parallel
 from composer_jax.sandbox.runner import (ENV_ALLOWLIST, SANDBOX_BACKENDS, SANDBOX_WORKSPACE, TEST_HASH_SEED, Sandbox,
                                          make_sandbox)
 
-__all__ = ["ENV_ALLOWLIST", "FileAccess", "LIMIT_KINDS", "Limits", "RunResult", "SANDBOX_BACKENDS", "SANDBOX_WORKSPACE", "Sandbox",
-           "SandboxError", "SandboxUnavailable", "TEST_HASH_SEED", "make_sandbox", "run_parallel"]
+__all__ = ["ENV_ALLOWLIST", "FileAccess", "LIMIT_KINDS", "Limits", "RunResult", "SANDBOX_BACKENDS", "SANDBOX_WORKSPACE",
+           "Sandbox", "SandboxError", "SandboxUnavailable", "TEST_HASH_SEED", "make_sandbox", "run_parallel"]
