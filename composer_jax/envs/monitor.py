@@ -90,9 +90,9 @@ ALLOWED_OUTSIDE = ("/usr/lib/", "/usr/lib32/", "/usr/lib64/", "/usr/libexec/", "
                    "/usr/sbin/", "/bin/", "/sbin/", "/usr/local/bin/", "/usr/share/locale/", "/usr/share/zoneinfo/",
                    "/usr/share/terminfo/", "/usr/share/i18n/", "/usr/share/git-core/", "/etc/ssl/", "/etc/xdg/",
                    "/proc/", "/sys/", "/dev/", "/tmp/", "/etc/ld.so.cache", "/etc/ld.so.preload", "/etc/locale.alias",
-                   "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group", "/etc/inputrc", "/etc/gitconfig",
-                   "/etc/mime.types", "/etc/host.conf", "/etc/hosts", "/etc/resolv.conf", "/etc/gai.conf", "/etc/pip.conf",
-                   "/etc/os-release", "/etc/lsb-release", "/etc/debian_version")
+                   "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group", "/etc/inputrc",
+                   "/etc/gitconfig", "/etc/mime.types", "/etc/host.conf", "/etc/hosts", "/etc/resolv.conf",
+                   "/etc/gai.conf", "/etc/pip.conf", "/etc/os-release", "/etc/lsb-release", "/etc/debian_version")
 PACKAGE_DIRS = ("site-packages", "dist-packages")
 VCS_PROGRAMS = {"git", "hg", "svn"}
 CACHE_DIRS = {"__pycache__", ".mypy_cache", ".pytype", ".pyre"}
