@@ -8,8 +8,7 @@ resolved (`-y`: a symlink in the workspace pointing elsewhere is recorded as its
 command saw it (/workspace/... for bwrap). strace filters with seccomp-bpf, so the other system calls
 run untraced; the cost per command is measured by tools/bench_file_access.py (README, "Monitor").
 With backend 'none' the command runs unisolated on the host and could reach the log: no guarantee there.
-Not seen: files opened without a system call of the process tree (io_uring's IORING_OP_OPENAT), and
-what happens in a daemon after the command ends (the sandbox kills it anyway).
+Not seen: a file opened without a system call of its own (io_uring's IORING_OP_OPENAT).
 """
 
 from __future__ import annotations
