@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from composer_jax.config import from_dict
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import CodingEnv, CodingEnvConfig, TokenEpisode, get_format
 from composer_jax.envs.monitor import Monitor
@@ -195,3 +196,11 @@ def test_eval_transcripts_carry_the_monitor_report(sandbox, task, tmp_path):
     transcript = json.loads((tmp_path / "run" / transcript_path(task.id, 0)).read_text())
     assert transcript["monitor"]["detectors"] == ["outside_workspace"]
     assert transcript["monitor"]["findings"][0]["source"] == "file_access"
+
+
+def test_the_config_keys_reach_the_environment():
+    from composer_jax.rl.run_config import EnvConfig
+
+    assert from_dict(EnvConfig, {"record_file_access": True}, prefix="env").coding().record_file_access
+    assert not EnvConfig().coding().record_file_access
+    assert EvalConfig(record_file_access=True).coding().record_file_access
