@@ -13,7 +13,6 @@ Not seen: a file opened without a system call of its own (io_uring's IORING_OP_O
 
 from __future__ import annotations
 
-import ast
 import posixpath
 import re
 import shlex
@@ -35,6 +34,8 @@ _LINE = re.compile(r"(\d+) +(.*)")
 _CALL = re.compile(r"(\w+)\((.*)\) += (-?\d+)(?:<(.*)>)?(?: /\* (\d+) in strace's PID NS \*/)?")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"(\.\.\.)?')
 _UNFINISHED = " <unfinished ...>"
+_ESCAPE = re.compile(rb"\\(x[0-9a-fA-F]{2}|[0-7]{1,3}|.)", re.DOTALL)
+_C_ESCAPES = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b"v": b"\v", b"f": b"\f", b"a": b"\a", b"b": b"\b"}
 
 
 def find_strace() -> str:
@@ -67,12 +68,18 @@ def strace_argv(binary: str, log: str) -> list[str]:
     return [binary, *STRACE_OPTIONS, "-o", log, "--"]
 
 
+def _unescape(match: re.Match) -> bytes:
+    code = match.group(1)
+    if code[:1] == b"x":
+        return bytes([int(code[1:], 16)])
+    if code[:1].isdigit():
+        return bytes([int(code, 8) & 0xFF])
+    return _C_ESCAPES.get(code, code)
+
+
 def _unquote(text: str) -> str:
-    """A string as strace prints it (C escapes) -> its text."""
-    try:
-        return ast.literal_eval(f'b"{text}"').decode("utf-8", "replace")
-    except (SyntaxError, ValueError):
-        return text
+    """A string as strace prints it (C escapes for quotes, backslashes and unprintable bytes) -> its text."""
+    return _ESCAPE.sub(_unescape, text.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
 
 
 def _normalize(path: str, workspace: str) -> str:
