@@ -62,7 +62,7 @@ class CallRecord:
     arguments: dict
     output: str = ""
     ok: bool = True
-    file_accesses: tuple[FileAccess, ...] = ()   # what a `run` call's command opened (Sandbox record_file_access)
+    file_accesses: tuple[FileAccess, ...] = ()   # what a `run` call's command opened (record_file_access)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

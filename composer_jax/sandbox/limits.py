@@ -60,7 +60,7 @@ class RunResult:
     stderr_dropped: int
     seconds: float
     limits_hit: tuple[str, ...] = ()
-    file_accesses: tuple[FileAccess, ...] | None = None   # None: not recorded (Sandbox record_file_access)
+    file_accesses: tuple[FileAccess, ...] | None = None   # None: not recorded (Sandbox.run record_file_access)
 
     @property
     def timed_out(self) -> bool:

