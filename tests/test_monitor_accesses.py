@@ -40,9 +40,12 @@ for path in sorted(pathlib.Path(".").glob(".g*/*")):
     print(path, path.read_text()[:40])
 """
 READ_INSTALLED = """
-import os, site
-package = os.path.join(site.getsitepackages()[0], "iniconfig")
-print(open(os.path.join(package, "__init__.py")).read()[:80])
+import importlib.util
+print(open(importlib.util.find_spec("iniconfig").origin).read()[:80])
+"""
+DISASSEMBLE = """
+import subprocess, sys
+subprocess.run([sys.executable, "-m", "d" + "is", "mathops.py"], check=True, capture_output=True)
 """
 READ_OUTSIDE = """
 import os
@@ -55,7 +58,8 @@ for name in sorted(os.listdir(root)):
         pass
 """
 SCRIPTS = {"bytecode_cache": (WALK_CACHES, "__pycache__"), "vcs_history": (READ_HISTORY, ".git/ORIG_HEAD"),
-           "installed_package": (READ_INSTALLED, "site-packages/iniconfig/__init__.py"),
+           "installed_package": (READ_INSTALLED, "-packages/iniconfig/__init__.py"),
+           "decompile": (DISASSEMBLE, "-m dis mathops.py"),      # a program started: judged by its command line
            "outside_workspace": (READ_OUTSIDE, "/etc/")}
 
 
