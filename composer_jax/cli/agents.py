@@ -179,7 +179,7 @@ def _run_eval(args) -> int:
             config = EvalConfig(samples=args.samples, max_turns=args.max_turns or trained.get("max_turns") or 30,
                                 tools=tuple(args.tools.split(",")) if args.tools else tuple(trained.get("tools") or ()),
                                 max_output_chars=args.max_output_chars or trained.get("max_output_chars") or 0,
-                                workers=args.workers, seed=args.seed)
+                                workers=args.workers, seed=args.seed, record_file_access=args.record_file_access)
             summary = evaluate(agent, tasks, out, config, sandbox=make_sandbox(args.backend),
                                log=None if args.quiet else lambda line: print(line, file=sys.stderr))
         finally:
@@ -248,6 +248,9 @@ def _add_eval(sub) -> None:
     r.add_argument("--backend", choices=("bwrap", "none", "ray"), default="bwrap",
                    help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED; 'ray' runs them in bwrap "
                         "on the Ray cluster at RAY_ADDRESS (default bwrap)")
+    r.add_argument("--record-file-access", action="store_true",
+                   help="record the files the agent's commands open (strace) and put the reward-hacking monitor's "
+                        "report in each transcript")
     r.add_argument("--quiet", action="store_true", help="no line per finished attempt on stderr")
     c = subcommand(eval_sub, "compare", _run_eval_compare,
                    "paired difference of two runs per score, flipped tasks, a PNG",
