@@ -46,12 +46,12 @@ def _check(ok: bool, key: str, message: str) -> None:
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V3 / Kimi K2 naming)."""
 
-    num_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    num_heads: int                  # attention heads
+    q_lora_rank: int                # the query's low-rank compression
+    kv_lora_rank: int               # the compressed key-value latent (what the inference cache holds)
+    qk_nope_head_dim: int           # per-head query/key dims without rotary embedding
+    qk_rope_head_dim: int           # the decoupled rotary key dims, shared by all heads (even)
+    v_head_dim: int                 # per-head value dims
     latent_norm_eps: float = 1e-6  # HF builds q_a/kv_a norms without eps: their default 1e-6
 
     def __post_init__(self):
@@ -70,14 +70,14 @@ class MLAConfig:
 class RopeConfig:
     """YaRN rotary embedding on the decoupled rope dims (interleaved pairs, as in the HF checkpoints)."""
 
-    theta: float
+    theta: float                    # rotary base frequency
     factor: float = 1.0  # 1.0 = plain RoPE, no YaRN
-    original_max_position_embeddings: int = 4096
-    max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
+    original_max_position_embeddings: int = 4096   # the context YaRN extends from
+    max_position_embeddings: int = 4096            # the longest sequence the model runs
+    beta_fast: float = 32.0         # YaRN: rotations per context above which dims keep their frequency
+    beta_slow: float = 1.0          # YaRN: rotations per context below which dims are interpolated fully
+    mscale: float = 1.0             # YaRN: cos/sin scale by mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    mscale_all_dim: float = 1.0     # YaRN: the softmax scale is multiplied by mscale(factor, mscale_all_dim)^2
 
     def __post_init__(self):
         _check(self.theta > 1, "theta", f"must be > 1, got {self.theta}")
@@ -94,14 +94,16 @@ class RopeConfig:
 class MoEConfig:
     """Sigmoid-routed MoE with selection-only correction bias and a shared expert."""
 
-    n_routed_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    n_shared_experts: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
+    n_routed_experts: int           # routed experts per MoE layer
+    num_experts_per_tok: int        # experts each token is routed to (k)
+    moe_intermediate_size: int      # each expert's SwiGLU width
+    n_shared_experts: int = 1       # experts every token passes through
+    n_group: int = 1                # expert groups for group-limited routing
+    topk_group: int = 1             # groups a token may route into
+    routed_scaling_factor: float = 1.0   # multiplies the routed experts' combined output
+    norm_topk_prob: bool = True     # normalise the k selected weights to sum to 1
+    # how tokens reach experts: dense / ragged (experts on every device: references), ep_a2a (all_to_all
+    # over `ep`), ep_ragged (ragged_all_to_all, GPU/TPU only)
     dispatch: Literal["dense", "ragged", "ep_a2a", "ep_ragged"] = "ragged"
     # ep_a2a / ep_ragged exchange buffers per device, as a multiple of its expected expert assignments
     # (local tokens x k); copies beyond them are dropped and counted. 0 = dropless (worst-case buffers:
@@ -135,8 +137,8 @@ class MoEConfig:
 class MTPConfig:
     """DeepSeek-V3 multi-token prediction: `num_layers` sequential depths sharing embedding and head."""
 
-    num_layers: int = 0
-    loss_weight: float = 0.1
+    num_layers: int = 0             # MTP depths (0: none)
+    loss_weight: float = 0.1        # weight of the MTP cross-entropy in the training loss
 
     def __post_init__(self):
         _check(self.num_layers >= 0, "num_layers", "must be >= 0")
@@ -147,18 +149,18 @@ class MTPConfig:
 class ModelConfig:
     """A DeepSeek-V3-architecture causal LM (Kimi K2 / K2.5 text model)."""
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
+    vocab_size: int                 # embedding and output-head rows
+    hidden_size: int                # the residual stream's width
+    num_layers: int                 # decoder layers
     num_dense_layers: int  # HF first_k_dense_replace: the first layers use a dense SwiGLU FFN
-    intermediate_size: int
+    intermediate_size: int          # the dense layers' SwiGLU width
     mla: MLAConfig
     rope: RopeConfig
     moe: MoEConfig
     mtp: MTPConfig = MTPConfig()
     rms_norm_eps: float = 1e-6  # residual-stream norms (input, post-attention, final, MTP)
     dtype: DType = "float32"  # activation / matmul compute dtype
-    param_dtype: DType = "float32"
+    param_dtype: DType = "float32"  # parameter storage dtype
     # Attention implementation for training and prefill (composer_jax.model.attention_ops): reference
     # (dense scores), blockwise (memory linear in the sequence), cudnn (NVIDIA GPUs, bfloat16), auto.
     attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"
@@ -188,12 +190,12 @@ class MeshConfig:
     (the rest of the devices).
     """
 
-    replica: int = 1
-    fsdp: int = -1
-    cp: int = 1
-    ereplica: int = 1
-    efsdp: int = 1
-    ep: int = -1
+    replica: int = 1                # dense mesh: replicas of the sharded weights (HSDP; across hosts)
+    fsdp: int = -1                  # dense mesh: weight and batch shards
+    cp: int = 1                     # dense mesh: context parallelism (sequence shards)
+    ereplica: int = 1               # expert mesh: replicas of the routed experts
+    efsdp: int = 1                  # expert mesh: shards of each expert's embed dim
+    ep: int = -1                    # expert mesh: expert parallelism (experts per device = experts / ep)
 
     def __post_init__(self):
         for grid in (("replica", "fsdp", "cp"), ("ereplica", "efsdp", "ep")):

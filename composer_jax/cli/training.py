@@ -9,6 +9,7 @@ import traceback
 from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_group, load_model_or_run_config, positive_int,
                                      quiet_logging, subcommand)
 from composer_jax.config import ConfigError
+from composer_jax.config_reference import KINDS as KEY_KINDS
 from composer_jax.cpu_devices import use_cpu_devices
 
 
@@ -264,14 +265,12 @@ def _run_config_show(args) -> int:
 
 
 def _run_config_keys(args) -> int:
-    from composer_jax.config import ModelConfig, describe_keys
-    from composer_jax.train.config import RunConfig
+    from composer_jax import config_reference
 
-    keys = describe_keys(RunConfig if args.kind == "run" else ModelConfig)
-    w_key, w_default = max(len(k.key) for k in keys), max(len(k.default) for k in keys)
-    print(f"{'key':<{w_key}}  {'default':<{w_default}}  meaning [type]")
-    for k in keys:
-        print(f"{k.key:<{w_key}}  {k.default:<{w_default}}  {k.meaning + ' ' if k.meaning else ''}[{k.type}]")
+    if args.markdown:
+        print(config_reference.markdown_section(args.kind) if args.kind else config_reference.markdown_page(), end="")
+    else:
+        print(config_reference.text_table(args.kind or "run"))
     return 0
 
 
@@ -283,8 +282,11 @@ def _add_config(sub) -> None:
     show.add_argument("name", metavar="NAME", help="a bundled config name or a YAML path")
     show.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     keys = subcommand(config_sub, "keys", _run_config_keys, "every key with its default and meaning",
-                      "List every key of a run config (model.* included) or of a model "
-                      "config, with its default, its meaning and its type.")
-    keys.add_argument("kind", nargs="?", choices=("run", "model"), default="run", help="which config (default: run)")
+                      "List every key of a config (a run config's model.* included), with its default, its "
+                      "meaning and its type. --markdown without KIND prints the reference page of every "
+                      "kind (docs/config-keys.md).")
+    keys.add_argument("kind", nargs="?", choices=tuple(KEY_KINDS), metavar="KIND",
+                      help=f"which config: {', '.join(KEY_KINDS)} (default: run)")
+    keys.add_argument("--markdown", action="store_true", help="Markdown tables (type, default, meaning)")
 
 
