@@ -69,10 +69,9 @@ def markdown_section(kind: str) -> str:
 
 def markdown_page() -> str:
     """The whole reference, docs/config-keys.md: one section per kind."""
-    head = ["# Config keys", "",
-            "Generated from the source by `composer-jax config keys --markdown > docs/config-keys.md` "
+    intro = ("Generated from the source by `composer-jax config keys --markdown > docs/config-keys.md` "
             "(a test checks this page equals the command's output). Each meaning is the comment beside "
             "(or above) the field in its dataclass; a key without one has none. `(required)`: no default, "
-            "the config must set it. Any key is overridable on the command line as a dotted `key=value`.", ""]
-    return "\n".join(head + ["\n\n".join(markdown_section(kind) for kind in KINDS)]) + "\n"
+            "the config must set it. Any key is overridable on the command line as a dotted `key=value`.")
+    return "\n".join(["# Config keys", "", intro, "", "\n\n".join(markdown_section(kind) for kind in KINDS)]) + "\n"
 
