@@ -6,25 +6,26 @@ from __future__ import annotations
 
 from composer_jax.config import KeyInfo, describe_keys
 
-# kind -> (what reads it, the dataclass as "module:Class"); imported on use, since the RL and eval
-# configs pull in their packages
+# kind -> what reads it
 KINDS = {
-    "run": ("`composer-jax pretrain` and `composer-jax sft` run configs (YAML files, `key=value` overrides)",
-            "composer_jax.train.config:RunConfig"),
-    "rl": ("`composer-jax rl` and `composer-jax rl-engine` run configs", "composer_jax.rl.run_config:RLRunConfig"),
-    "model": ("model configs (`configs/model/*.yaml`; the `model.` section of a run config)",
-              "composer_jax.config:ModelConfig"),
-    "generate": ("`composer-jax generate` settings (`key=value` after MODEL)", "composer_jax.infer.config:GenerateConfig"),
-    "eval": ("`composer-jax eval` settings of a model agent (`key=value` after TASKS_DIR)",
-             "composer_jax.eval.engine_agent:EngineAgentConfig"),
+    "run": "`composer-jax pretrain` and `composer-jax sft` run configs (YAML files, `key=value` overrides)",
+    "rl": "`composer-jax rl` and `composer-jax rl-engine` run configs",
+    "model": "model configs (`configs/model/*.yaml`; the `model.` section of a run config)",
+    "generate": "`composer-jax generate` settings (`key=value` after MODEL)",
+    "eval": "`composer-jax eval` settings of a model agent (`key=value` after TASKS_DIR)",
 }
 
 
 def config_class(kind: str) -> type:
-    import importlib
+    """The dataclass of `kind` (imported here: the RL and eval configs pull in their packages)."""
+    from composer_jax.config import ModelConfig
+    from composer_jax.eval.engine_agent import EngineAgentConfig
+    from composer_jax.infer.config import GenerateConfig
+    from composer_jax.rl.run_config import RLRunConfig
+    from composer_jax.train.config import RunConfig
 
-    module, _, name = KINDS[kind][1].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return {"run": RunConfig, "rl": RLRunConfig, "model": ModelConfig, "generate": GenerateConfig,
+            "eval": EngineAgentConfig}[kind]
 
 
 def keys_of(kind: str) -> list[KeyInfo]:
@@ -52,8 +53,8 @@ def _code(text: str) -> str:
 
 def markdown_section(kind: str) -> str:
     """One kind's keys as a Markdown table; a run config's `model.*` keys point to the model section."""
-    title, target = KINDS[kind]
-    cls = config_class(kind)
+    title, cls = KINDS[kind], config_class(kind)
+    target = f"{cls.__module__}:{cls.__qualname__}"
     keys = keys_of(kind)
     has_model = kind != "model" and any(k.key.startswith("model.") for k in keys)
     lines = [f"## {kind}", "", f"{title[0].upper()}{title[1:]}: `{target}`" + (
@@ -70,8 +71,8 @@ def markdown_section(kind: str) -> str:
 def markdown_page() -> str:
     """The whole reference, docs/config-keys.md: one section per kind."""
     intro = ("Generated from the source by `composer-jax config keys --markdown > docs/config-keys.md` "
-            "(a test checks this page equals the command's output). Each meaning is the comment beside "
-            "(or above) the field in its dataclass; a key without one has none. `(required)`: no default, "
-            "the config must set it. Any key is overridable on the command line as a dotted `key=value`.")
+             "(a test checks this page equals the command's output). Each meaning is the comment beside "
+             "(or above) the field in its dataclass; a key without one has none. `(required)`: no default, "
+             "the config must set it. Any key is overridable on the command line as a dotted `key=value`.")
     return "\n".join(["# Config keys", "", intro, "", "\n\n".join(markdown_section(kind) for kind in KINDS)]) + "\n"
 
