@@ -48,7 +48,7 @@ if _OWN_CACHE:
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 jax.config.update("jax_enable_compilation_cache", False)
 
-REFERENCE_PACKAGES = ("torch", "transformers", "ray")
+REFERENCE_PACKAGES = ("torch", "transformers", "ray", "mkdocs")
 
 
 def pytest_configure(config):
