@@ -221,7 +221,7 @@ def test_failed_peer_ends_the_other_with_its_reason(tmp_path):
 
 def test_coordinator_death_ends_the_others_at_once(tmp_path):
     """Process 0 (the coordination service) dies: JAX itself ends the others at once (its own fatal
-    message and stack trace: its client offers Python no usable hook, README), long before any peer
+    message and stack trace: its client offers Python no usable hook, docs/multihost.md), long before any peer
     timeout, instead of leaving them hanging in the collective."""
     peer_timeout = 300   # neither the watchdog nor JAX's heartbeat (+30 s) can be what ends process 1
     port = _free_port()

@@ -8,7 +8,7 @@ oracle hint, and the fused RL step distils the hinted teacher into the unhinted 
 log-probability of the correct turn, without the hint, must rise at every step; with the loss's sign
 flipped it must fall at every step.
 
-What this found (the numbers are in the README): with the former default divergence, reverse KL, the
+What this found (the numbers are in docs/rl-experiments.md): with the former default divergence, reverse KL, the
 tasks whose first answer token differs from the student's never moved (a confident student gives the
 hinted token ~e^-9 of its mass, and the reverse-KL gradient s * (log s - log t - KL) vanishes with it);
 with the live teacher at a larger learning rate the hinted behaviour itself eroded until student and

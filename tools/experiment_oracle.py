@@ -4,7 +4,7 @@ and wrong without it, then RL steps with self-distillation alone. Prints, per ar
 of the correct turn without the hint (the student) and with it (what the teacher knows) at every fifth
 step, and writes every step to JSON.
 
-    python tools/experiment_oracle.py OUT.json                      # the README's arms
+    python tools/experiment_oracle.py OUT.json                      # the arms of docs/rl-experiments.md
     python tools/experiment_oracle.py OUT.json --arm forward_kl,live,5e-5 --arm reverse_kl,live,5e-5
     python tools/experiment_oracle.py OUT.json --arm forward_kl,live,5e-5,flipped
 """

@@ -142,7 +142,7 @@ def _one_process_only(command: str) -> None:
         count, source = os.environ.get("SLURM_NTASKS"), "SLURM_NTASKS (an srun step)"
     if count and count.strip().isdigit() and int(count) > 1:
         raise ConfigError("", f"{command} runs as one process, but {source} is {count}: launch `composer-jax "
-                              "rl-engine` as one task (srun --ntasks=1; README: Launching RL on a cluster)")
+                              "rl-engine` as one task (srun --ntasks=1; docs/multihost.md, Launching RL on a cluster)")
 
 
 def _load_rl(args):

@@ -109,7 +109,7 @@ class EnvConfig:
     signals: tuple[str, ...] = CodingEnvConfig.signals
     max_final_chars: int = CodingEnvConfig.max_final_chars   # coding: a longer final message is flagged
     lint_edits: bool = CodingEnvConfig.lint_edits            # coding: lint each turn's edits (the style signal)
-    # coding: record the files each `run` command opens (strace), for the monitor to judge (README, Monitor)
+    # coding: record the files each `run` command opens (strace), for the monitor to judge (docs/environments.md)
     record_file_access: bool = CodingEnvConfig.record_file_access
 
     def __post_init__(self):

@@ -6,7 +6,7 @@ host directory, read back and deleted after the command), so it can neither read
 record. Only calls that succeeded are recorded (`-z`), and each opened file by the path the kernel
 resolved (`-y`: a symlink in the workspace pointing elsewhere is recorded as its target), as the
 command saw it (/workspace/... for bwrap). strace filters with seccomp-bpf, so the other system calls
-run untraced; the cost per command is measured by tools/bench_file_access.py (README, "Monitor").
+run untraced; the cost per command is measured by tools/bench_file_access.py (docs/environments.md).
 With backend 'none' the command runs unisolated on the host and could reach the log: no guarantee there.
 Not seen: a file opened without a system call of its own (io_uring's IORING_OP_OPENAT).
 """
