@@ -488,8 +488,10 @@ def describe_keys(cls: type, prefix: str = "") -> list[KeyInfo]:
         if dataclasses.is_dataclass(tp):
             out += describe_keys(tp, key + ".")
             continue
-        default = "(required)" if f.default is dataclasses.MISSING else yaml.safe_dump(f.default).strip()
-        default = default.removesuffix("\n...").removesuffix("...").strip()
+        default = "(required)"
+        if f.default is not dataclasses.MISSING:   # one line, also for a list (its table row stays one row)
+            default = yaml.safe_dump(f.default, default_flow_style=True, width=1 << 16).strip()
+            default = default.removesuffix("\n...").removesuffix("...").strip()
         out.append(KeyInfo(key, _type_name(tp), default, docs.get(f.name, "")))
     return out
 
