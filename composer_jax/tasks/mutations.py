@@ -115,6 +115,22 @@ def _operator_edit(src: _Source, left: ast.AST, right: ast.AST, old: type, new: 
     return lo + match.start(1), lo + match.end(1), OPERATOR_TEXT[new]
 
 
+def _drop_operand_edit(src: _Source, kept: ast.AST, dropped: ast.AST) -> Edit | None:
+    """Remove ` and <dropped>` after `kept`, with the parentheses around `dropped` (not those that close
+    around `kept`)."""
+    lo, hi = src.end(kept), src.start(dropped)
+    match = re.fullmatch(r"([\s)]*?)\s*\b(and|or)\b[\s\\]*((?:\([\s\\]*)*)", src.text[lo:hi])
+    if match is None:
+        return None
+    end = src.end(dropped)
+    for _ in range(match.group(3).count("(")):
+        closing = re.match(r"[\s\\]*\)", src.text[end:])
+        if closing is None:
+            return None
+        end += closing.end()
+    return lo + len(match.group(1)), end, ""
+
+
 def _is_text(node: ast.AST) -> bool:
     return isinstance(node, (ast.JoinedStr, ast.List, ast.Tuple, ast.ListComp)) or \
         isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes))
@@ -199,11 +215,13 @@ def _sites(body: list[ast.stmt], src: _Source):
                     yield ("swapped_arguments", node, (src.start(a), src.end(b), src.segment(b) + between +
                                                        src.segment(a)), _swap_args)
             elif isinstance(node, ast.BoolOp):
-                last = node.values[-1]
-                yield ("dropped_condition", node, (src.end(node.values[-2]), src.end(last), ""),
-                       _drop_last_operand)
+                edit = _drop_operand_edit(src, node.values[-2], node.values[-1])
+                if edit:
+                    yield "dropped_condition", node, edit, _drop_last_operand
             elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-                yield "dropped_condition", node, (src.start(node), src.start(node.operand), ""), _unwrap
+                keyword = re.match(r"not\s*", src.text[src.start(node):src.start(node.operand)])
+                if keyword:
+                    yield "dropped_condition", node, (src.start(node), src.start(node) + keyword.end(), ""), _unwrap
             elif isinstance(node, ast.If) and not node.orelse and len(node.body) == 1 \
                     and isinstance(node.body[0], ast.Return):
                 block = next(v for _, v in ast.iter_fields(parents.get(node, _Holder(body)))
@@ -218,9 +236,10 @@ def _sites(body: list[ast.stmt], src: _Source):
                     kind = "wrong_constant"
                 new_value = _new_constant(node.value)
                 yield kind, node, (src.start(node), src.end(node), repr(new_value)), _set_attr("value", new_value)
+            # (a stop that already ends in `+ <int>` has that constant as its off_by_one site)
             if node in upper and not _number(node) and (
                     isinstance(node, BOUND_OPERANDS) or isinstance(node, ast.BinOp)
-                    and isinstance(node.op, ADDITIVE_OR_TIGHTER)):
+                    and isinstance(node.op, ADDITIVE_OR_TIGHTER) and node.right not in plus_one):
                 yield "off_by_one", node, (src.end(node), src.end(node), " - 1"), _minus_one
 
 
