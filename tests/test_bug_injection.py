@@ -4,7 +4,6 @@ scanned for the original lines, graded in the coding environment."""
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -195,7 +194,7 @@ def test_one_task_per_kind_with_its_targets_and_difficulty(generated):
     report = generated["report"]
     assert report["family"] == "bug_injection" and report["candidates"] == 7
     assert report["tried"] == report["kept"] == 7 and report["rejected"] == {}
-    assert report["kinds"] == {k: {"sites": 1, "tried": 1, "kept": 1} for k in MUTATIONS}
+    assert report["kinds"] == {k: {"sites": 1, "tried": 1, "kept": 1, "rejected": {}} for k in MUTATIONS}
     assert "kept/tried per kind: " in generated["stdout"] and "[7/7]" in generated["stderr"]
     assert set(generated["tasks"]) == set(MUTATIONS)
     for kind, task in generated["tasks"].items():

@@ -29,9 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
-import tempfile
 import textwrap
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -40,12 +38,12 @@ from composer_jax.sandbox import Sandbox
 from composer_jax.tasks.candidates import traced_definitions
 from composer_jax.tasks.features import FileEdit, module_name
 from composer_jax.tasks.format import ID_PATTERN, MUTATIONS
-from composer_jax.tasks.generation import (Context, GenerationConfig, Outcome, check_dirs, counts, evaluate, finish,
-                                           prepare, report_head, task_timeout, try_all)
+from composer_jax.tasks.generation import (REJECTED, Context, GenerationConfig, Outcome, Plan, counts, evaluate,
+                                           generate)
 from composer_jax.tasks.generation import summary as _summary
 from composer_jax.tasks.levels import shown_tests, target_list
 from composer_jax.tasks.mutations import Mutation, find_mutations
-from composer_jax.tasks.scrub import kept_code, line_needles, repo_texts
+from composer_jax.tasks.scrub import kept_code, line_needles
 from composer_jax.tasks.tracing import Baseline, FeatureDeletionError
 
 __all__ = ["BugInjectionConfig", "generate_bug_tasks", "summary"]
@@ -167,39 +165,34 @@ def generate_bug_tasks(repo_dir: str | Path, out_dir: str | Path, config: BugInj
                        *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None) -> dict:
     """Write bug-injection tasks of the repository REPO_DIR into OUT_DIR (see the module docstring);
     returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
-    start = time.monotonic()
-    repo, out = Path(repo_dir), Path(out_dir)
-    check_dirs(repo, out)
-    sandbox = sandbox or Sandbox(config.backend)
-    with tempfile.TemporaryDirectory(prefix="composer_jax-bugs-") as tmp:
-        base, command, baseline = prepare(repo, Path(tmp), sandbox, config, log)
-        texts = repo_texts(base)
+
+    def plan(texts: dict[str, str], baseline: Baseline) -> Plan:
         candidates, skipped, sites, tests_of = select_mutations(
             texts, baseline, max_target_fraction=config.max_target_fraction, seed=config.seed, kinds=config.kinds)
         log(f"{len(candidates)} mutations ({counts(sites)}); not mutated: {counts(skipped)}")
-        out.mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / "stage").mkdir()
-        ctx = Context(sandbox, base, Path(tmp) / "stage", texts, baseline, command, task_timeout(baseline))
 
         def kept_line(outcome: Outcome) -> str:
             m = outcome.candidate.mutation
             return f"{m.kind} in {m.definition.qualname} ({m.path}:{m.line})"
 
-        outcomes = try_all(candidates, lambda c: _check(c, ctx, tests_of), config, out, log, kept_line)
-    tried = Counter(o.candidate.mutation.kind for o in outcomes)
-    kept = Counter(o.candidate.mutation.kind for o in outcomes if o.reason is None)
-    report = {**report_head(repo, command, config, baseline, outcomes, time.monotonic() - start),
-              "family": FAMILY, "candidates": len(candidates),
-              "not_candidates": {r: skipped[r] for r in NOT_CANDIDATE if skipped[r]},
-              "kinds": {k: {"sites": sites[k], "tried": tried[k], "kept": kept[k]} for k in config.kinds},
-              "tasks": [{"id": o.candidate.id, "path": o.candidate.mutation.path,
-                         "definition": o.candidate.mutation.definition.qualname, "line": o.candidate.mutation.line,
-                         "mutation": o.candidate.mutation.kind, "target_tests": o.targets,
-                         "changed_lines": o.candidate.mutation.changed_lines,
-                         "removed_files": list(o.removed_files)} for o in outcomes if o.reason is None]}
-    for rejection, o in zip(report["rejections"], [o for o in outcomes if o.reason]):
-        rejection["mutation"] = o.candidate.mutation.kind
-    return finish(out, report, config.held_out)
+        def report(outcomes: list[Outcome]) -> dict:
+            tried = Counter(o.candidate.mutation.kind for o in outcomes)
+            kept = Counter(o.candidate.mutation.kind for o in outcomes if o.reason is None)
+            rejected = Counter((o.candidate.mutation.kind, o.reason) for o in outcomes if o.reason)
+            return {"family": FAMILY, "candidates": len(candidates),
+                    "not_candidates": {r: skipped[r] for r in NOT_CANDIDATE if skipped[r]},
+                    "kinds": {k: {"sites": sites[k], "tried": tried[k], "kept": kept[k],
+                                  "rejected": {r: rejected[k, r] for r in REJECTED if rejected[k, r]}}
+                              for k in config.kinds},
+                    "tasks": [{"id": o.candidate.id, "path": o.candidate.mutation.path,
+                               "definition": o.candidate.mutation.definition.qualname,
+                               "line": o.candidate.mutation.line, "mutation": o.candidate.mutation.kind,
+                               "target_tests": o.targets, "changed_lines": o.candidate.mutation.changed_lines,
+                               "removed_files": list(o.removed_files)} for o in outcomes if o.reason is None]}
+
+        return Plan(candidates, lambda c, ctx: _check(c, ctx, tests_of), kept_line, report)
+
+    return generate(repo_dir, out_dir, config, sandbox, log, plan)
 
 
 def summary(report: dict) -> str:

@@ -21,22 +21,19 @@ REPO_DIR is only ever read.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import textwrap
-import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks.candidates import NOT_CANDIDATE, Candidate, select_candidates
 from composer_jax.tasks.features import Deletion, docstring, signature, word_counts
-from composer_jax.tasks.generation import (DEFAULT_TEST_COMMAND, Context, GenerationConfig, Outcome, check_dirs,
-                                           counts, evaluate, finish, prepare, report_head, task_timeout, try_all)
+from composer_jax.tasks.generation import (DEFAULT_TEST_COMMAND, Context, GenerationConfig, Outcome, Plan, counts,
+                                           evaluate, generate)
 from composer_jax.tasks.generation import summary as _summary
 from composer_jax.tasks.levels import CONTINUE_ON_COLLECTION_ERRORS, LEVELS, level_instruction, target_list
-from composer_jax.tasks.scrub import kept_code, leak_needles, repo_texts
-from composer_jax.tasks.tracing import FeatureDeletionError
+from composer_jax.tasks.scrub import kept_code, leak_needles
+from composer_jax.tasks.tracing import Baseline, FeatureDeletionError
 
 __all__ = ["DEFAULT_TEST_COMMAND", "FeatureDeletionConfig", "FeatureDeletionError", "generate_tasks", "summary"]
 FAMILY = "feature_deletion"
@@ -97,39 +94,33 @@ def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDel
                    *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None) -> dict:
     """Write feature-deletion tasks of the repository REPO_DIR into OUT_DIR (see the module docstring);
     returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
-    start = time.monotonic()
-    repo, out = Path(repo_dir), Path(out_dir)
-    check_dirs(repo, out)
-    sandbox = sandbox or Sandbox(config.backend)
-    with tempfile.TemporaryDirectory(prefix="composer_jax-features-") as tmp:
-        base, command, baseline = prepare(repo, Path(tmp), sandbox, config, log)
-        texts = repo_texts(base)
+
+    def plan(texts: dict[str, str], baseline: Baseline) -> Plan:
         candidates, skipped = select_candidates(texts, baseline, min_lines=config.min_lines,
                                                 max_target_fraction=config.max_target_fraction, seed=config.seed,
                                                 level=config.level)
         log(f"{len(candidates)} candidates ({sum(skipped.values())} definitions are not: {counts(skipped)})")
-        out.mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / "stage").mkdir()
-        # at the levels that delete whole definitions, a test module may not import: the others still run
-        task_command = command if config.level == "body" else f"{command} {CONTINUE_ON_COLLECTION_ERRORS}"
-        ctx = Context(sandbox, base, Path(tmp) / "stage", texts, baseline, task_command, task_timeout(baseline))
 
         def kept_line(outcome: Outcome) -> str:
             d = outcome.candidate.deletion
             return f"{d.definitions} definitions and {len(d.deleted_files)} files deleted"
 
-        outcomes = try_all(candidates, lambda c: _check(c, ctx), config, out, log, kept_line)
-    report = {**report_head(repo, command, config, baseline, outcomes, time.monotonic() - start),
-              "family": FAMILY, "level": config.level, "candidates": len(candidates),
-              "not_candidates": {r: skipped[r] for r in NOT_CANDIDATE if skipped[r]},
-              "tasks": [{"id": o.candidate.id, "path": o.candidate.deletion.path,
-                         "definition": o.candidate.deletion.feature.qualname,
-                         "kind": o.candidate.deletion.feature.kind, "target_tests": o.targets,
-                         "deleted_lines": o.candidate.deletion.deleted_lines,
-                         "deleted_definitions": o.candidate.deletion.definitions,
-                         "deleted_files": list(o.candidate.deletion.deleted_files),
-                         "removed_files": list(o.removed_files)} for o in outcomes if o.reason is None]}
-    return finish(out, report, config.held_out)
+        def report(outcomes: list[Outcome]) -> dict:
+            return {"family": FAMILY, "level": config.level, "candidates": len(candidates),
+                    "not_candidates": {r: skipped[r] for r in NOT_CANDIDATE if skipped[r]},
+                    "tasks": [{"id": o.candidate.id, "path": o.candidate.deletion.path,
+                               "definition": o.candidate.deletion.feature.qualname,
+                               "kind": o.candidate.deletion.feature.kind, "target_tests": o.targets,
+                               "deleted_lines": o.candidate.deletion.deleted_lines,
+                               "deleted_definitions": o.candidate.deletion.definitions,
+                               "deleted_files": list(o.candidate.deletion.deleted_files),
+                               "removed_files": list(o.removed_files)} for o in outcomes if o.reason is None]}
+
+        # at the levels that delete whole definitions, a test module may not import: the others still run
+        return Plan(candidates, _check, kept_line, report,
+                    "" if config.level == "body" else CONTINUE_ON_COLLECTION_ERRORS)
+
+    return generate(repo_dir, out_dir, config, sandbox, log, plan)
 
 
 def summary(report: dict) -> str:

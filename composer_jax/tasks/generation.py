@@ -15,6 +15,8 @@ import dataclasses
 import json
 import math
 import shutil
+import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,7 +25,8 @@ from composer_jax.sandbox import Sandbox, run_parallel
 from composer_jax.tasks.check import check_task
 from composer_jax.tasks.features import FileEdit
 from composer_jax.tasks.format import load_task
-from composer_jax.tasks.scrub import clean_copy, find_leaks, installed_copies, scrub_leaks, top_level_names
+from composer_jax.tasks.scrub import (clean_copy, find_leaks, installed_copies, repo_texts, scrub_leaks,
+                                      top_level_names)
 from composer_jax.tasks.tracing import UNSTABLE_REASON, Baseline, FeatureDeletionError, run_baseline
 from composer_jax.tasks.workspace import copy_repo, unified_diff
 
@@ -124,10 +127,6 @@ def prepare(repo: Path, tmp: Path, sandbox: Sandbox, config: GenerationConfig,
     return base, command, baseline
 
 
-def task_timeout(baseline: Baseline) -> float:
-    return max(MIN_TASK_TIMEOUT_S, math.ceil(TASK_TIMEOUT_FACTOR * baseline.seconds))
-
-
 def _write_task(root: Path, name: str, ctx: Context, targets: list[str], keep: list[str], text: str,
                 extra: dict) -> None:
     meta = {"id": name, "instruction": text, "test_command": ctx.command, "target_tests": targets,
@@ -175,8 +174,10 @@ def evaluate(candidate, files: Sequence[FileEdit], needles: set[str], describe: 
     _write_task(stage, candidate.id, ctx, targets, [t for t in passed if t not in failing], text, extra)
     solved = check_task(load_task(stage), ctx.sandbox, solution=True)
     if solved.status != "ok" or solved.reward != 1.0:
+        first = _first(solved.failed, ctx.baseline.tests) if solved.failed else ""
+        why = solved.messages.get(first, "missing or skipped").strip().splitlines() or [""]
         return reject("solution_fails", solved.detail or f"{len(solved.failed)} tests fail with solution.patch, "
-                                                         f"e.g. {_first(solved.failed, ctx.baseline.tests)}")
+                                                         f"e.g. {first} ({why[0][:200]})")
     leaks = find_leaks(stage, needles, skip=[stage / "solution.patch"])
     if leaks:
         return reject("leak", "; ".join(f"{path}: {why}" for path, why in sorted(leaks.items())))
@@ -225,8 +226,44 @@ def counts(counter: Counter) -> str:
     return ", ".join(f"{reason} {n}" for reason, n in sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
 
 
-def report_head(repo: Path, command: str, config: GenerationConfig, baseline: Baseline, outcomes: list[Outcome],
-                seconds: float) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a family makes of the baseline: its candidates in the order to try them, how to check one,
+    what the progress line says of a kept one, and the family's keys of report.json."""
+    candidates: list
+    check: Callable[[object, Context], Outcome]
+    kept_line: Callable[[Outcome], str]
+    report: Callable[[list[Outcome]], dict]
+    test_options: str = ""         # added to the tasks' test command
+
+
+def generate(repo_dir: str | Path, out_dir: str | Path, config: GenerationConfig, sandbox: Sandbox | None,
+             log: Callable[[str], None], make_plan: Callable[[dict[str, str], Baseline], Plan]) -> dict:
+    """Write a family's tasks of REPO_DIR into OUT_DIR: the clean copy and the baseline, `make_plan(texts,
+    baseline)` (texts: scrub.repo_texts of the copy), the candidates tried, the hold-out and the report
+    (returned, and OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
+    start = time.monotonic()
+    repo, out = Path(repo_dir), Path(out_dir)
+    check_dirs(repo, out)
+    sandbox = sandbox or Sandbox(config.backend)
+    with tempfile.TemporaryDirectory(prefix="composer_jax-generate-") as tmp:
+        base, command, baseline = prepare(repo, Path(tmp), sandbox, config, log)
+        texts = repo_texts(base)
+        plan = make_plan(texts, baseline)
+        out.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / "stage").mkdir()
+        ctx = Context(sandbox, base, Path(tmp) / "stage", texts, baseline, f"{command} {plan.test_options}".strip(),
+                      max(MIN_TASK_TIMEOUT_S, math.ceil(TASK_TIMEOUT_FACTOR * baseline.seconds)))
+        outcomes = try_all(plan.candidates, lambda c: plan.check(c, ctx), config, out, log, plan.kept_line)
+    report = {**_report_head(repo, command, config, baseline, outcomes, time.monotonic() - start),
+              **plan.report(outcomes)}
+    report["held_out"] = hold_out(out, sorted(t["id"] for t in report["tasks"]), config.held_out)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def _report_head(repo: Path, command: str, config: GenerationConfig, baseline: Baseline, outcomes: list[Outcome],
+                 seconds: float) -> dict:
     """The report's keys every family has (the family adds its candidates and tasks)."""
     rejected = Counter(o.reason for o in outcomes if o.reason)
     return {
@@ -239,13 +276,6 @@ def report_head(repo: Path, command: str, config: GenerationConfig, baseline: Ba
         "rejected": {r: rejected[r] for r in REJECTED if rejected[r]},
         "rejections": [{"id": o.candidate.id, "reason": o.reason, "detail": o.detail} for o in outcomes if o.reason],
     }
-
-
-def finish(out: Path, report: dict, held_out: int) -> dict:
-    """Hold out tasks and write OUT_DIR/report.json."""
-    report["held_out"] = hold_out(out, sorted(t["id"] for t in report["tasks"]), held_out)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return report
 
 
 def summary(report: dict, candidates_label: str = "candidates") -> str:
