@@ -309,7 +309,8 @@ def find_mutations(source: str, definitions: list[Definition], kinds: tuple[str,
     src = _Source(source)
     functions = sorted((d for d in definitions if d.kind in ("function", "method")), key=lambda d: d.start)
     # the definitions' nodes come from their own parse of `source`: find them in this one
-    here = {(n.lineno, n.col_offset): n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    here = {(n.lineno, n.col_offset): n for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     node_of = {d: here[d.node.lineno, d.node.col_offset] for d in functions}
     owned = {}   # id(node) -> the innermost definition whose body holds it (later, inner ones overwrite)
     for d in functions:
