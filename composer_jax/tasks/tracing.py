@@ -127,7 +127,7 @@ def run_baseline(sandbox: Sandbox, repo: Path, command: str, timeout_s: float) -
                         calls={t: _keys(trace["tests"][t]) for t in tests}, at_import=_keys(trace["import"]),
                         seconds=seconds, unstable=unstable_ids(sandbox, repo, command, timeout_s, tests))
     if not baseline.passed:
-        raise FeatureDeletionError(f"no test passes before any deletion ({len(baseline.failing)} fail, "
+        raise FeatureDeletionError(f"no test passes before any change ({len(baseline.failing)} fail, "
                                    f"{len(baseline.skipped)} skipped, {len(baseline.unstable)} with unstable ids), "
                                    f"e.g. {(baseline.failing or baseline.unstable or tests)[0]}")
     return baseline
