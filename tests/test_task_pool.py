@@ -23,9 +23,10 @@ from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import toy_tasks
 from composer_jax.eval.agent import AgentTurn
 from composer_jax.rl.rollout import RolloutProducer, group_assembler
-from composer_jax.rl.run_config import load_rl_config
-from composer_jax.rl.sampler import TaskSampler
+from composer_jax.rl.run_config import EnvConfig, load_rl_config
+from composer_jax.rl.sampler import SamplerConfig, TaskSampler
 from composer_jax.rl.task_pool import PoolConfig, TaskPool
+from composer_jax.rl.task_sets import TaskSets, grow_pool
 from composer_jax.tasks.families import FAMILIES, Family, pool_id, run_job
 from tests.rl_parity import ParityEnv
 from tests.test_feature_deletion import write_repo
@@ -128,7 +129,7 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     last = records[-1]
     assert last["pool_made/feature_deletion/body"] == 2 and last["pool_made/feature_deletion/feature"] == 1
     assert last["pool_live"] + last["pool_retired"] == len(sampler.stats) and last["pool_retired/base/-"] == 24
-    assert last["pool_jobs"] == 2 and 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
+    assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0 and 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
     # Never waiting: a poll takes milliseconds while a job takes seconds; the learner's step is unchanged.
     assert max(pool.polls) < 0.25 and last["pool_generation_s_total"] > 2, (max(pool.polls), last)
     assert with_job
@@ -141,9 +142,35 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     # A restart: the same tasks and progress from RUN_DIR/pool; the sampler's saved state names them all.
     again = TaskPool(pool_cfg, [str(repo)], tmp_path / "run" / "pool", seed=0, base_ids=list(base))
     assert [t.id for t in again.tasks()] == [t.id for t in made] and again.state == pool.state
-    ids = [t.id for t in toy_tasks("copy", 24, seed=1, length=2)] + [t.id for t in again.tasks()]
-    restored = TaskSampler.from_state(sampler.state_dict(), ids, cfg.sampler)
+    # What a resumed RLTrainer does: the pool's tasks join the run's own, and the saved sampler state loads.
+    sets = TaskSets({t.id: t for t in toy_tasks("copy", 24, seed=1, length=2)}, [], SolvedEnv, "/workspace")
+    env = EnvConfig(kind="coding", tasks_dir=str(tmp_path), repos=(str(repo),), pool=pool_cfg)
+    grow_pool(env, sets, 0, tmp_path / "run").close()
+    assert list(sets.train)[24:] == [t.id for t in made]
+    restored = TaskSampler.from_state(sampler.state_dict(), list(sets.train), cfg.sampler)
     assert restored.state_dict() == sampler.state_dict()
+
+
+def test_the_pool_grows_on_retirements_and_when_few_live_tasks_are_open(tmp_path):
+    """A new retirement asks for tasks once (until the next job starts); so does a pool whose live tasks
+    are mostly solved (recent pass rate >= 3/4), or one with none live."""
+    pool = TaskPool(PoolConfig(min_open_share=0.5), [str(tmp_path)], tmp_path / "pool", seed=0, base_ids=[])
+    sampler = TaskSampler(["a", "b", "c", "d"], SamplerConfig(retire_after=4))
+    assert not pool._wants_tasks(sampler.stats)            # unsampled: p = 1/2, every task open
+    sampler.record("a", [1.0] * 4)
+    assert pool._wants_tasks(sampler.stats)                # a retirement
+    pool.state["retired_at_start"] = 1                     # a job began since
+    assert not pool._wants_tasks(sampler.stats)
+    solved = [1.0, 1.0, 1.0, 0.0] * 3 + [1.0] * 3          # p ~ 0.755, never 4 passes running: not retired
+    sampler.record("b", solved)                            # 2 of 3 live tasks solved
+    sampler.record("c", solved)
+    assert pool._wants_tasks(sampler.stats)
+    sampler.record("b", [0.0] * 3)
+    assert not pool._wants_tasks(sampler.stats)            # 2 of 3 open again
+    for task in "bcd":
+        sampler.record(task, [1.0] * 4)
+    pool.state["retired_at_start"] = 4
+    assert pool._wants_tasks(sampler.stats)                # nothing live
 
 
 def test_a_job_running_at_a_stop_is_made_again(tmp_path):

@@ -8,18 +8,21 @@ generated dynamically throughout training", shared/reference/composer.md).
     pool.close()
 
 When to grow: when the sampler has retired tasks (each solved its last `retire_after` samples) since
-the last job began, or when the share of open tasks (live, with a smoothed recent pass rate below
-SOLVED_RATE) falls below `min_open_share`. One job runs at a time, in a process of its own
-(`python -m composer_jax.tasks.families JOB_DIR`, niced, with the generator's sandbox; no jax), so the
-learner and the rollouts never wait for it: `poll` only checks whether the job's result file is there.
+the last job began, or when the share of open tasks among the live ones (open: a smoothed recent pass
+rate below SOLVED_RATE, not yet solved) falls below `min_open_share`. One job runs at a time, in a
+process of its own (`python -m composer_jax.tasks.families JOB_DIR`, niced, with the generator's
+sandbox; no jax), so the learner and the rollouts never wait for it: `poll` only checks whether the
+process has ended. The rollout producer polls before each batch, in its own thread (it owns the
+sampler), and waits for the pool only when every task is retired: then there is nothing to train on.
 
-What grows: each job makes `round_tasks` new tasks from one repository (the repositories take turns)
-at its current level; the levels go easiest first (feature deletion: body -> definition -> feature,
-which delete more lines, definitions and files). A job asks the generator for the tasks already made
-at that level plus `round_tasks` (the generator keeps candidates in a fixed order, so the first ones
-are those already made, dropped as duplicates); fewer new tasks than asked means the level is used up,
-and the repository moves up a level. A repository whose job fails stops growing (the error is logged
-and kept in the state). The pool stops at `max_tasks` made.
+What grows: each job makes new tasks from one repository (the repositories take turns) at its current
+level; the levels go easiest first (feature deletion: body -> definition -> feature, which delete more
+lines, definitions and files). A job asks the generator for the tasks already made at that level plus
+as many new ones (at least `round_tasks`): the generator keeps candidates in a fixed order, so the
+first ones are those already made, dropped as duplicates, and doubling keeps that redone work below
+the new work. Fewer new tasks than asked means the level is used up, and the repository moves up a
+level. A repository whose job fails stops growing (the error is logged and kept in the state). The
+pool stops at `max_tasks` made.
 
 RUN_DIR/pool/state.json holds the tasks made (id, directory, family, level, repository), each
 repository's progress (level, tasks made at it) and the job counters; it is written before new tasks
@@ -57,9 +60,9 @@ class PoolConfig:
 
     family: str = "feature_deletion"   # the task family that makes new tasks (tasks/families.py)
     levels: tuple[str, ...] = ()       # the family's levels to go through, in order (empty: all, easiest first)
-    round_tasks: int = 4               # new tasks per generation job
+    round_tasks: int = 4               # new tasks of a level's first job (then as many as made at the level)
     max_tasks: int = 200               # tasks the pool makes in all
-    min_open_share: float = 0.25       # grow when fewer of the tasks than this are open (live, not yet solved)
+    min_open_share: float = 0.25       # grow when fewer of the live tasks than this are open (not yet solved)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -146,7 +149,7 @@ class TaskPool:
             progress = self.state["repos"][repo]
             if progress["error"] is None and progress["level"] < len(order):
                 self.state["next_repo"] = (self.repos.index(repo) + 1) % len(self.repos)
-                wanted = min(self.cfg.round_tasks, self.cfg.max_tasks - made)
+                wanted = min(max(self.cfg.round_tasks, progress["made"]), self.cfg.max_tasks - made)
                 return {"family": self.cfg.family, "repo": repo, "level": order[progress["level"]],
                         "seed": self.seed, "max_tasks": progress["made"] + wanted, "wanted": wanted,
                         "skip_ids": sorted(self._loaded) + sorted(self.base_ids)}
@@ -154,9 +157,10 @@ class TaskPool:
 
     def _wants_tasks(self, stats: dict) -> bool:
         """Grow: tasks were retired since the last job began, or too few tasks are open."""
-        retired = sum(s.retired for s in stats.values())
-        open_tasks = sum(not s.retired and s.pass_rate < SOLVED_RATE for s in stats.values())
-        return retired > self.state["retired_at_start"] or open_tasks < self.cfg.min_open_share * len(stats)
+        live = [s for s in stats.values() if not s.retired]
+        open_tasks = sum(s.pass_rate < SOLVED_RATE for s in live)
+        return (len(stats) - len(live) > self.state["retired_at_start"] or not live
+                or open_tasks < self.cfg.min_open_share * len(live))
 
     def _start(self, job: dict, retired: int) -> None:
         job_dir = self.dir / "jobs" / "running"
@@ -241,8 +245,8 @@ class TaskPool:
 
     def metrics(self, stats: dict, levels: dict[str, str | None]) -> dict[str, float]:
         """Tasks made, live and retired, in all and by family and level (`pool_made/feature_deletion/body`;
-        the run's own tasks are family `base`, their level from task.json: `levels`, id -> level), and
-        the generation time (seconds, the last job's and all jobs')."""
+        the run's own tasks are family `base`, their level from task.json: `levels`, id -> level), jobs
+        ended, whether one runs now, and the generation time (seconds, the last job's and all jobs')."""
         family = {r["id"]: r["family"] for r in self.state["tasks"]}
         made = Counter((r["family"], r["level"] or "-") for r in self.state["tasks"])
         live, retired = Counter(), Counter()
@@ -251,6 +255,7 @@ class TaskPool:
             (retired if s.retired else live)[key] += 1
         out = {"pool_made": float(len(self.state["tasks"])), "pool_live": float(sum(live.values())),
                "pool_retired": float(sum(retired.values())), "pool_jobs": float(self.state["jobs"]),
+               "pool_job_running": float(self._job is not None),
                "pool_generation_s": float(self.state["last_generation_s"]),
                "pool_generation_s_total": float(self.state["generation_s"])}
         for name, counts in (("made", made), ("live", live), ("retired", retired)):
