@@ -33,8 +33,9 @@ from tests.test_feature_deletion import write_repo
 from tests.test_feature_levels import LEVEL_SOURCES, TESTS_DESCRIBE
 
 # zebrakit without its text module (fewer tests to run per candidate), one more test of `describe`
+DESCRIBE_KM = '\n\ndef test_describe_km():\n    assert describe(2, "km") == "2 km"\n'
 SOURCES = {**{path: text for path, text in LEVEL_SOURCES.items() if "text" not in path},
-           "tests/test_describe.py": TESTS_DESCRIBE + '\n\ndef test_describe_km():\n    assert describe(2, "km") == "2 km"\n'}
+           "tests/test_describe.py": TESTS_DESCRIBE + DESCRIBE_KM}
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["init_from=", "model=tiny", "rl.group_size=2", "rollout.batch_size=4", "rollout.max_new_tokens=6",
@@ -129,7 +130,8 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     last = records[-1]
     assert last["pool_made/feature_deletion/body"] == 2 and last["pool_made/feature_deletion/feature"] == 1
     assert last["pool_live"] + last["pool_retired"] == len(sampler.stats) and last["pool_retired/base/-"] == 24
-    assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0 and 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
+    assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0
+    assert 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
     # Never waiting: a poll takes milliseconds while a job takes seconds; the learner's step is unchanged.
     assert max(pool.polls) < 0.25 and last["pool_generation_s_total"] > 2, (max(pool.polls), last)
     assert with_job

@@ -2,7 +2,7 @@
 while tasks are made in the background, and are the new tasks harder?
 
 The policy solves every task at once: an environment scores every episode 1 (a scripted "solver"), so
-each task retires after its first `sampler.retire_after` samples. The repository: a package's sdist
+each task retires after its first `sampler.retire_after` samples (two groups). The repository: a package's sdist
 (`--package`, default webcolors==24.8.0, downloaded once into OUT/sdist as tools/feature_deletion_real.py
 does) or `--repo PATH`. Base tasks: 4 made by feature deletion at level `body` (once, into OUT/base).
 Two arms of the same run:
@@ -10,12 +10,14 @@ Two arms of the same run:
 - `fixed`: the base tasks only (sampler.retire_after=0: nothing retires, the run has tasks to the end);
 - `growing`: env.repos=[the repository] with the pool's levels definition then feature (the base is body).
 
-Per arm: the learner's step time (`learner_s`, median and quartiles over the steps after the first,
-which compiles), the wall time, and for `growing` the same split by whether a generation job was running when the
-step's batch was produced, the pool's metrics at the end, each job's result and the mean recorded
-difficulty of the tasks per level. Writes OUT/pool_growth.json and prints it.
+Each arm runs `--repeats` times, the arms in turn (the machine's load shifts). Per run and per arm:
+the learner's step time (`learner_s`, median and quartiles over the steps after the first, which
+compiles); per run the wall time, and for `growing` the step time split by whether a generation job
+was running when the step's batch was produced, the pool's metrics at the end, each job's result and
+the mean recorded difficulty of the tasks per level. Writes OUT/pool_growth.json and prints it.
 
-    python tools/pool_growth.py OUT [--package webcolors==24.8.0 | --repo PATH] [--steps 20] [key=value ...]
+    python tools/pool_growth.py OUT [--package webcolors==24.8.0 | --repo PATH] [--steps 20] [--repeats 2]
+        [key=value ...]
 """
 
 from __future__ import annotations
@@ -85,14 +87,14 @@ def quartiles(values: list[float]) -> dict:
     return {"median": round(q[1], 4), "q1": round(q[0], 4), "q3": round(q[2], 4), "n": len(values)}
 
 
-def run_arm(out: Path, name: str, repo: Path, base: Path, steps: int, overrides: list[str]) -> dict:
+def run_arm(out: Path, name: str, run_name: str, repo: Path, base: Path, steps: int, overrides: list[str]) -> dict:
     from composer_jax.eval.runner import load_task_set
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
     from composer_jax.rl.task_sets import TaskSets
     from composer_jax.train.metrics import read_metrics
 
-    run_dir = out / name
+    run_dir = out / run_name
     shutil.rmtree(run_dir, ignore_errors=True)
     repos = [f"env.repos=[{repo}]"] if name == "growing" else []
     cfg = load_rl_config("rl-tiny", [*RUN, *ARMS[name], *repos, f"env.tasks_dir={base}", f"rl.steps={steps}",
@@ -102,7 +104,9 @@ def run_arm(out: Path, name: str, repo: Path, base: Path, steps: int, overrides:
     RLTrainer(cfg, tasks).run()
     wall = time.perf_counter() - start
     records = [r for r in read_metrics(run_dir) if "loss" in r]
-    result = {"steps": len(records), "wall_s": round(wall, 1), "learner_s": quartiles([r["learner_s"] for r in records[1:]])}
+    steps_s = [r["learner_s"] for r in records[1:]]
+    result = {"steps": len(records), "wall_s": round(wall, 1), "learner_s": quartiles(steps_s),
+              "learner_s_all": steps_s}
     if name == "growing":
         last = records[-1]
         result["pool"] = {k: v for k, v in last.items() if k.startswith("pool_")}
@@ -131,17 +135,20 @@ def main() -> None:
     parser.add_argument("--package", default="webcolors==24.8.0", help="a requirement whose sdist is the repository")
     parser.add_argument("--repo", type=Path, help="a repository directory instead of --package")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per arm, the arms in turn")
     parser.add_argument("overrides", nargs="*", help="key=value for both arms' RL configs")
     args = parser.parse_args()
     use_cpu_devices(2)
     args.out.mkdir(parents=True, exist_ok=True)
     repo = args.repo.absolute() if args.repo else source_repo(args.out, args.package)
     base = base_tasks(args.out, repo)
-    summary = {"repo": str(repo), **{arm: run_arm(args.out, arm, repo, base, args.steps, args.overrides)
-                                     for arm in ARMS}}
+    runs = {f"{arm}-{r}": run_arm(args.out, arm, f"{arm}-{r}", repo, base, args.steps, args.overrides)
+            for r in range(args.repeats) for arm in ARMS}       # arms in turn: the machine's load shifts
+    summary = {"repo": str(repo), "runs": runs, **{f"{arm}_learner_s": quartiles(
+        [s for name, run in runs.items() if name.startswith(arm) for s in run.pop("learner_s_all")]) for arm in ARMS}}
     (args.out / "pool_growth.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps({arm: {k: v for k, v in s.items() if k != "jobs"} if isinstance(s, dict) else s
-                      for arm, s in summary.items()}, indent=2))
+    shown = {**summary, "runs": {name: {k: v for k, v in run.items() if k != "jobs"} for name, run in runs.items()}}
+    print(json.dumps(shown, indent=2))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from composer_jax.tasks.families import FAMILIES, RESULT
 
 STATE_VERSION = 1
 SOLVED_RATE = 0.75     # a live task whose smoothed recent pass rate is at least this counts as solved
-NICE = 10              # the generation process's niceness: the learner and the rollouts go first
+NICE = 19              # the generation process's niceness (the lowest priority): the learner and the rollouts go first
 BASE = "base"          # the family name the metrics give the run's own tasks (not made by the pool)
 
 

@@ -44,7 +44,8 @@ class Family:
 
 
 FAMILIES = {
-    "feature_deletion": Family("composer_jax.tasks.feature_deletion", "generate_tasks", "FeatureDeletionConfig", LEVELS),
+    "feature_deletion": Family("composer_jax.tasks.feature_deletion", "generate_tasks", "FeatureDeletionConfig",
+                               LEVELS),
 }
 
 
