@@ -107,7 +107,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, dual=None, *, seed: int = 
     `dual` by its rules (recorded on the model, as `parallel.shard_model` does), or on the first device."""
     from composer_jax.checkpoint.manager import abstract_like
     from composer_jax.model import CausalLM, split_model
-    from composer_jax.parallel import param_shardings, set_mesh
+    from composer_jax.parallel import param_shardings, record_layout
 
     graphdef, params, biases, rest = split_model(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(seed))))
     if dual is None:
@@ -116,7 +116,7 @@ def load_model(source: ModelSource, cfg: ModelConfig, dual=None, *, seed: int = 
     else:
         params, biases = (abstract_like(t, param_shardings(t, dual)) for t in (params, biases))
     model = nnx.merge(graphdef, *load_state(source, cfg, params, biases, seed=seed, chunk_bytes=chunk_bytes), rest)
-    return set_mesh(model, dual) if dual is not None else model
+    return record_layout(model, dual) if dual is not None else model
 
 
 def open_model(path, overrides=(), *, seed: int = 0) -> OpenedModel:

@@ -267,7 +267,7 @@ def test_report_counts_and_reasons(generated):
     assert report["candidates"] == report["tried"] == 6 and report["kept"] == 4
     assert report["rejected"] == {"no_test_fails": 1, "collateral_failures": 1}
     assert "tried 6: kept 4, rejected 2 (collateral_failures 1, no_test_fails 1)" in generated["stdout"]
-    assert f"1 tests do not pass before any deletion and are left out, e.g. {LEFT_OUT}" in generated["stderr"]
+    assert f"1 tests do not pass before any change and are left out, e.g. {LEFT_OUT}" in generated["stderr"]
 
 
 def test_max_tasks_and_the_same_tasks_with_any_number_of_workers(generated, tmp_path):
@@ -396,7 +396,7 @@ def test_not_a_directory_and_bad_out_dir(tmp_path):
 @pytest.mark.parametrize("files, extra, message", [
     ({"m.py": "def f():\n    return 1\n"}, (), f"no tests: `{DEFAULT_TEST_COMMAND}` collected none"),
     ({"m.py": "X = 1\n", "tests/test_m.py": "from m import X\n\n\ndef test_x():\n    assert X == 2\n"}, (),
-     "no test passes before any deletion (1 fail, 0 skipped, 0 with unstable ids), e.g. tests/test_m.py::test_x"),
+     "no test passes before any change (1 fail, 0 skipped, 0 with unstable ids), e.g. tests/test_m.py::test_x"),
     ({"tests/test_slow.py": "import time\n\n\ndef test_hangs():\n    time.sleep(600)\n"}, ("--timeout", "3"),
      "the tests did not finish within 3 s (a hanging test?)"),
     ({"tests/test_broken.py": "def test_x(:\n"}, (), "pytest stopped before running the tests: exit code 2"),

@@ -112,7 +112,7 @@ CLEAN = [
 ]
 
 
-@pytest.mark.parametrize("detector", DETECTORS)
+@pytest.mark.parametrize("detector", [d for d in DETECTORS if d != "installed_package"])  # that one: file accesses
 def test_each_hack_is_flagged_with_its_evidence(detector):
     for i, record in enumerate(HACKS[detector]):
         report = STRICT.check([_turn(), _turn(record)])
@@ -153,7 +153,7 @@ def test_counts_examples_and_zeroed_rewards(tmp_path):
     reports = [monitor.check(turns) for turns in episodes]
     assert monitor_counts(reports) == {"monitor_flagged": 2.0, "monitor_bytecode_cache": 1.0, "monitor_decompile": 1.0,
                                        "monitor_test_files": 0.0, "monitor_vcs_history": 2.0,
-                                       "monitor_outside_workspace": 0.0}
+                                       "monitor_outside_workspace": 0.0, "monitor_installed_package": 0.0}
     assert monitor.apply([1.0, 1.0, 0.5, 0.25], reports) == [1.0, 0.0, 0.0, 0.25]
     assert Monitor().apply([1.0, 1.0, 0.5, 0.25], reports) == [1.0, 1.0, 0.5, 0.25]
     path = tmp_path / "monitor.jsonl"
@@ -163,7 +163,7 @@ def test_counts_examples_and_zeroed_rewards(tmp_path):
     assert [(x["step"], x["episode"], x["detectors"]) for x in lines] == [
         (3, "b", ["bytecode_cache", "decompile", "vcs_history"]), (3, "c", ["vcs_history"])]
     assert lines[1]["findings"] == [{"detector": "vcs_history", "turn": 0, "tool": "run",
-                                     "evidence": "git show HEAD~1:mathops.py"}]
+                                     "evidence": "git show HEAD~1:mathops.py", "source": "call"}]
     # A run resumed from its step-3 checkpoint: step 5's lines and a line cut short by the crash go.
     write_examples(path, reports, step=5)
     with open(path, "a") as f:

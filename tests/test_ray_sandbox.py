@@ -11,7 +11,7 @@ import ray
 from composer_jax import cli
 from composer_jax.envs.protocol import ToolCall
 from composer_jax.envs.tools import WorkspaceTools
-from composer_jax.sandbox import Sandbox, SandboxError, SandboxUnavailable, make_sandbox
+from composer_jax.sandbox import FileAccess, Sandbox, SandboxError, SandboxUnavailable, make_sandbox
 from composer_jax.sandbox.ray_sandbox import RaySandbox
 from composer_jax.tasks import check_tasks, load_task
 from tests.test_tasks import MIXED, MIXED_TESTS, tree_digest, write_task
@@ -71,6 +71,13 @@ def test_tool_run_on_ray_brings_the_workspace_back(ray_sandbox, tmp_path):
     assert leaks == [True, False]       # the link to /etc/passwd stays in bwrap's workspace, not on the way back
     assert (tmp_path / "ray" / "deep" / "er" / "f").read_text() == "hi\n"
     assert not (tmp_path / "ray" / "gone.txt").exists()
+
+
+def test_file_accesses_are_recorded_on_the_ray_worker(ray_sandbox, tmp_path):
+    (tmp_path / "data.txt").write_text("x")
+    result = ray_sandbox.run("cat data.txt", tmp_path, record_file_access=True)
+    assert result.ok and FileAccess("openat", "data.txt", "cat data.txt") in result.file_accesses
+    assert ray_sandbox.run("true", tmp_path).file_accesses is None
 
 
 def test_ray_sandbox_refuses_host_mounts(ray_sandbox, tmp_path):

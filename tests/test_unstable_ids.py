@@ -75,8 +75,9 @@ def test_baseline_and_grading_name_tests_alike(sandbox, tmp_path):
 def test_unstable_ids_are_left_out_and_reported(tmp_path):
     """On a suite with hash-ordered ids the generator keeps its tasks (none lost to collateral failures)
     and report.json lists the ids another hash seed changes, with the reason; no task names them."""
-    unstable = [t for t in normalize_ids(TEST_HASH_SEED) if t not in normalize_ids(OTHER_HASH_SEED)]
-    assert unstable, "the set's order is the same under both seeds: pick other strings"
+    moved = [t for t in normalize_ids(TEST_HASH_SEED) if t not in normalize_ids(OTHER_HASH_SEED)]
+    assert 0 < len(moved) < 6, "the set's order is the same under both seeds, or no id stays: pick other strings"
+    unstable = normalize_ids(TEST_HASH_SEED)     # the whole parametrized family, those that stayed too
     repo = write_repo(tmp_path / "repo", SOURCES)
     code, out, err = run_cli("tasks", "feature-deletion", repo, tmp_path / "out")
     assert code == 0, err

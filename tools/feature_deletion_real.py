@@ -1,13 +1,15 @@
-"""Feature-deletion tasks from a real package: its sdist from the registry, its own test suite.
+"""Feature-deletion (or bug-injection) tasks from a real package: its sdist from the registry, its own
+test suite.
 
     python tools/feature_deletion_real.py OUT_DIR [--package parse==1.20.2] [--workers 2] [--max-tasks 20]
                                                   [--min-lines 3] [--level body|definition|feature]
+                                                  [--family feature-deletion|bug-injection] [--seed S]
 
 Downloads the sdist with `pip download --no-binary :all: --no-deps`, unpacks it into a temporary
-directory (which is read-only to the generator), runs `composer-jax tasks feature-deletion` on it,
-then re-checks every produced task with `composer-jax tasks check` (the workspace, and with
---solution; per-task results in OUT_DIR/check-workspace.jsonl and check-solution.jsonl) and prints the
-timings.
+directory (which is read-only to the generator), runs `composer-jax tasks feature-deletion` on it
+(or `tasks bug-injection`: --min-lines and --level do not apply), then re-checks every produced task
+with `composer-jax tasks check` (the workspace, and with --solution; per-task results in
+OUT_DIR/check-workspace.jsonl and check-solution.jsonl) and prints the timings.
 """
 
 from __future__ import annotations
@@ -43,15 +45,17 @@ def main() -> int:
     p.add_argument("--max-tasks", default="20")
     p.add_argument("--min-lines", default="3", help="lines of code a deletion must remove (default 3)")
     p.add_argument("--level", default="body", help="body, definition or feature (default body)")
+    p.add_argument("--family", choices=("feature-deletion", "bug-injection"), default="feature-deletion")
+    p.add_argument("--seed", default="0")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="composer_jax-sdist-") as tmp:
         start = time.monotonic()
         repo = download_sdist(args.package, Path(tmp))
         print(f"{args.package}: sdist unpacked in {time.monotonic() - start:.1f} s: {repo.name}")
         start = time.monotonic()
-        code = cli.main(["tasks", "feature-deletion", str(repo), args.out_dir, "--workers", args.workers,
-                         "--max-tasks", args.max_tasks, "--min-lines", args.min_lines,
-                         "--level", args.level])
+        family = ["--min-lines", args.min_lines, "--level", args.level] if args.family == "feature-deletion" else []
+        code = cli.main(["tasks", args.family, str(repo), args.out_dir, "--workers", args.workers,
+                         "--max-tasks", args.max_tasks, "--seed", args.seed, *family])
         print(f"generation: {time.monotonic() - start:.1f} s (exit code {code})")
         if code:
             return code

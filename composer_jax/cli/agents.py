@@ -1,4 +1,4 @@
-"""Agent commands: `tasks check|feature-deletion|list` and `eval run|compare`."""
+"""Agent commands: `tasks check|feature-deletion|bug-injection|list|demos` and `eval run|compare`."""
 
 from __future__ import annotations
 
@@ -35,23 +35,40 @@ def _run_tasks_check(args) -> int:
     return 0
 
 
-def _run_feature_deletion(args) -> int:
+def _generation_settings(args) -> dict:
+    return {"max_tasks": args.max_tasks, "workers": args.workers, "seed": args.seed, "test_command": args.test_command,
+            "timeout_s": args.timeout, "backend": args.backend, "held_out": args.held_out}
+
+
+def _generate(args, name: str, make_config, generate, summary) -> int:
+    """Run a task family's generator (`make_config()` builds its config) with progress on stderr."""
     from composer_jax.sandbox import SandboxError, SandboxUnavailable
-    from composer_jax.tasks.feature_deletion import (FeatureDeletionConfig, FeatureDeletionError, generate_tasks,
-                                                     summary)
+    from composer_jax.tasks import FeatureDeletionError
 
     try:
-        config = FeatureDeletionConfig(max_tasks=args.max_tasks, workers=args.workers, seed=args.seed,
-                                       test_command=args.test_command, timeout_s=args.timeout,
-                                       min_lines=args.min_lines, backend=args.backend, held_out=args.held_out,
-                                       level=args.level)
-        report = generate_tasks(args.repo_dir, args.out_dir, config, log=lambda line: print(line, file=sys.stderr))
+        report = generate(args.repo_dir, args.out_dir, make_config(), log=lambda line: print(line, file=sys.stderr))
     except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
-        print(f"composer-jax tasks feature-deletion: error: {e}", file=sys.stderr)
+        print(f"composer-jax tasks {name}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(summary(report))
     print(f"report: {os.path.join(args.out_dir, 'report.json')}")
     return 0
+
+
+def _run_feature_deletion(args) -> int:
+    from composer_jax.tasks.feature_deletion import FeatureDeletionConfig, generate_tasks, summary
+
+    return _generate(args, "feature-deletion", lambda: FeatureDeletionConfig(
+        **_generation_settings(args), min_lines=args.min_lines, level=args.level), generate_tasks, summary)
+
+
+def _run_bug_injection(args) -> int:
+    from composer_jax.tasks.bug_injection import BugInjectionConfig, generate_bug_tasks, summary
+    from composer_jax.tasks.format import MUTATIONS
+
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else MUTATIONS
+    return _generate(args, "bug-injection", lambda: BugInjectionConfig(**_generation_settings(args), kinds=kinds),
+                     generate_bug_tasks, summary)
 
 
 def _run_tasks_list(args) -> int:
@@ -89,6 +106,24 @@ def _run_tasks_demos(args) -> int:
     return 0
 
 
+def _generation_arguments(p) -> None:
+    """The arguments every task generator takes."""
+    p.add_argument("repo_dir", metavar="REPO_DIR")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
+    p.add_argument("--max-tasks", type=positive_int, default=20, help="stop after keeping this many (default 20)")
+    p.add_argument("--workers", type=positive_int, default=1, help="candidates checked at once (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
+    p.add_argument("--test-command", default=None,
+                   help="pytest command run from the repository root (default: python -m pytest -q without plugin "
+                        "autoload, PYTHONPATH=src for a src/ layout)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
+    p.add_argument("--held-out", type=non_negative_int, default=0, metavar="N",
+                   help="move the last N tasks (by id) to OUT_DIR/held-out/ for evaluation: training on OUT_DIR "
+                        "(demos, RL) never sees them (default 0)")
+    p.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+
+
 def _add_tasks(sub) -> None:
     tasks_sub = command_group(sub, "tasks", "coding tasks: generate, list and check (reward from sandboxed tests)")
     c = subcommand(tasks_sub, "check", _run_tasks_check, "run each task's tests in the sandbox and report its reward",
@@ -109,26 +144,25 @@ def _add_tasks(sub) -> None:
                    "task if the tests that ran it now fail, the others still pass and "
                    "solution.patch restores them; write OUT_DIR/<id>/{repo/, task.json, "
                    "solution.patch} and OUT_DIR/report.json. REPO_DIR is only read.")
-    f.add_argument("repo_dir", metavar="REPO_DIR")
-    f.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
-    f.add_argument("--max-tasks", type=positive_int, default=20, help="stop after keeping this many (default 20)")
-    f.add_argument("--workers", type=positive_int, default=1, help="candidates checked at once (default 1)")
-    f.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
-    f.add_argument("--test-command", default=None,
-                   help="pytest command run from the repository root (default: python -m pytest -q without plugin "
-                        "autoload, PYTHONPATH=src for a src/ layout)")
-    f.add_argument("--timeout", type=float, default=600.0, help="seconds the whole test suite may take (default 600)")
-    f.add_argument("--held-out", type=non_negative_int, default=0, metavar="N",
-                   help="move the last N tasks (by id) to OUT_DIR/held-out/ for evaluation: training on OUT_DIR "
-                        "(demos, RL) never sees them (default 0)")
+    _generation_arguments(f)
     f.add_argument("--min-lines", type=positive_int, default=3,
                    help="lines of code a deletion must remove, at least (default 3)")
-    f.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
-                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
     f.add_argument("--level", default="body",
                    help="what a task deletes: 'body' (the body of one definition; signature and docstring stay), "
                         "'definition' (the whole definition) or 'feature' (every definition that only its tests "
                         "run, across modules, and the modules left empty) (default body)")
+    b = subcommand(tasks_sub, "bug-injection", _run_bug_injection,
+                   "make tasks from a repository by injecting bugs into tested code",
+                   "Run REPO_DIR's pytest suite in the sandbox with tracing, make one small "
+                   "semantic mutation per task inside a function that specific tests run (an "
+                   "operator, a bound, swapped arguments, a dropped condition or early return, a "
+                   "constant), keep the task if the tests that ran it now fail, the others still "
+                   "pass and solution.patch restores them; write OUT_DIR/<id>/{repo/, task.json, "
+                   "solution.patch} and OUT_DIR/report.json. REPO_DIR is only read.")
+    _generation_arguments(b)
+    b.add_argument("--kinds", default=None, metavar="a,b,c",
+                   help="mutation kinds, comma-separated: comparison, arithmetic, off_by_one, swapped_arguments, "
+                        "dropped_condition, dropped_return, wrong_constant (default: all)")
     t = subcommand(tasks_sub, "list", _run_tasks_list, "table of the tasks in a directory",
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")
@@ -179,7 +213,7 @@ def _run_eval(args) -> int:
             config = EvalConfig(samples=args.samples, max_turns=args.max_turns or trained.get("max_turns") or 30,
                                 tools=tuple(args.tools.split(",")) if args.tools else tuple(trained.get("tools") or ()),
                                 max_output_chars=args.max_output_chars or trained.get("max_output_chars") or 0,
-                                workers=args.workers, seed=args.seed)
+                                workers=args.workers, seed=args.seed, record_file_access=args.record_file_access)
             summary = evaluate(agent, tasks, out, config, sandbox=make_sandbox(args.backend),
                                log=None if args.quiet else lambda line: print(line, file=sys.stderr))
         finally:
@@ -248,6 +282,9 @@ def _add_eval(sub) -> None:
     r.add_argument("--backend", choices=("bwrap", "none", "ray"), default="bwrap",
                    help="sandbox backend; 'none' runs the agent's commands UNSANDBOXED; 'ray' runs them in bwrap "
                         "on the Ray cluster at RAY_ADDRESS (default bwrap)")
+    r.add_argument("--record-file-access", action="store_true",
+                   help="record the files the agent's commands open (strace) and put the reward-hacking monitor's "
+                        "report in each transcript")
     r.add_argument("--quiet", action="store_true", help="no line per finished attempt on stderr")
     c = subcommand(eval_sub, "compare", _run_eval_compare,
                    "paired difference of two runs per score, flipped tasks, a PNG",

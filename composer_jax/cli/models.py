@@ -259,9 +259,9 @@ def _run_generate(args) -> int:
         if args.devices > 1:
             import jax
 
-            from composer_jax.parallel import DualMesh, set_mesh
+            from composer_jax.parallel import DualMesh, record_layout
 
-            set_mesh(model, DualMesh(MeshConfig(), jax.devices()[:args.devices], model=model.cfg))
+            record_layout(model, DualMesh(MeshConfig(), jax.devices()[:args.devices], model=model.cfg))
         stops = tuple(s for s in (gen.stop, fmt.end_of_turn if args.chat and fmt else "") if s)
         detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
         if stops and detokenize is None:

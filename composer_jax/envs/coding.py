@@ -5,7 +5,8 @@
     observation, done, info = env.step(assistant_text)  # tool results as messages; flags; reward when done
 
 A turn's tool calls are carried out in order (up to `submit`); parse errors become error results;
-`info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok). A call
+`info["calls"]` records each call carried out (`CallRecord`: name, arguments, output, ok, and the files a
+`run` command opened, with `record_file_access`: the reward-hacking monitor reads them). A call
 that cannot be carried out counts in `failed_calls` (envs.tools says which); a test run that reports
 failures is a successful call, counted in `tests_failed_runs`. The same call with the same result
 `repeat_limit` times running (parse errors included) is flagged once, as a loop. The signals
@@ -38,7 +39,9 @@ from composer_jax.envs.signals import (SIGNAL_COUNTS, SIGNALS, SeenResults, adde
                                        file_contents, python_edit_paths, style_detail, wrong_tool)
 from composer_jax.envs.tools import TOOL_NAMES, TOOLS, CallRecord, WorkspaceTools
 from composer_jax.sandbox import Sandbox
+from composer_jax.sandbox.file_access import find_strace
 from composer_jax.tasks import Task, check_task, copy_repo, is_test_file
+from composer_jax.tasks.scrub import top_level_names
 
 SYSTEM_PROMPT = ("You are a coding agent working in a repository. Use the tools to read and change the code so "
                  "that the task is done and its tests pass, then call submit.")
@@ -62,6 +65,7 @@ class CodingEnvConfig:
     signals: tuple[str, ...] = tuple(SIGNALS)   # the signals that flag turns (all are counted in stats)
     max_final_chars: int = 1500         # a longer final message is a communication issue
     lint_edits: bool = True             # lint each turn's edits (one sandboxed ruff run); off: no style signal
+    record_file_access: bool = False    # `run` calls record the files their commands open (strace): the monitor's
 
     def __post_init__(self):
         for name in ("max_turns", "max_output_chars", "run_wall_s", "run_cpu_s", "max_final_chars"):
@@ -86,6 +90,8 @@ class CodingEnv:
     def __init__(self, sandbox: Sandbox, fmt: ToolFormat, config: CodingEnvConfig = CodingEnvConfig(), *,
                  inspect: Callable[[Task, Path], dict] | None = None):
         self.sandbox, self.fmt, self.config, self.inspect = sandbox, fmt, config, inspect
+        if config.record_file_access:
+            find_strace()       # fails now, naming what is missing, rather than at the first `run`
         self.tools = tuple(t for t in TOOLS if t.name in config.tools)
         self._tmp: Path | None = None
         self.done = True
@@ -102,8 +108,9 @@ class CodingEnv:
         self.workspace = copy_repo(task.repo, self._tmp / "repo")
         limits = dataclasses.replace(self.sandbox.limits, wall_s=self.config.run_wall_s, cpu_s=self.config.run_cpu_s)
         self._tools = WorkspaceTools(self.workspace, self.sandbox, max_output_chars=self.config.max_output_chars,
-                                     run_limits=limits)
+                                     run_limits=limits, record_file_access=self.config.record_file_access)
         self.task, self.turn, self.done = task, 0, False
+        self.packages = top_level_names(task.repo)   # the monitor flags commands opening installed copies of them
         self._last_call, self._repeats = None, 0
         self._seen, self._last_test_run = SeenResults(), None
         # tool_calls: valid calls carried out; invalid_calls: calls that did not parse or validate;
@@ -182,7 +189,7 @@ class CodingEnv:
             if edited:
                 flags.append(Flag(TEST_FILE_EDIT, ", ".join(edited)))
             observation.append({"role": "tool", "name": call.call_id, "content": outcome.output})
-            calls.append(CallRecord(call.name, call.arguments, outcome.output, outcome.ok))
+            calls.append(CallRecord(call.name, call.arguments, outcome.output, outcome.ok, outcome.file_accesses))
         if not parsed.attempted:
             flags.append(Flag(NO_ACTION, "the message has no tool call"))
             observation.append({"role": "user", "content": NO_ACTION_MESSAGE})

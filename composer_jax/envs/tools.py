@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 from composer_jax.envs.protocol import Param, ToolCall, ToolSpec
-from composer_jax.sandbox import Limits, Sandbox
+from composer_jax.sandbox import FileAccess, Limits, Sandbox
 from composer_jax.tasks import is_test_file
 
 TOOLS = (
@@ -51,6 +51,7 @@ class ToolOutcome:
     truncated: bool = False             # the output was cut to the limit
     test_files: tuple[str, ...] = ()    # test files this call wrote to
     exit_code: int | None = None        # a `run` call's exit status (None: killed, or not a command)
+    file_accesses: tuple[FileAccess, ...] = ()   # a `run` call's, when the sandbox records them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class CallRecord:
     arguments: dict
     output: str = ""
     ok: bool = True
+    file_accesses: tuple[FileAccess, ...] = ()   # what a `run` call's command opened (record_file_access)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,8 +95,9 @@ class WorkspaceTools:
     """The tools bound to one workspace directory (a disposable copy of the task's repo)."""
 
     def __init__(self, workspace: Path, sandbox: Sandbox, *, max_output_chars: int = 4000,
-                 run_limits: Limits | None = None, max_search_hits: int = 100):
+                 run_limits: Limits | None = None, max_search_hits: int = 100, record_file_access: bool = False):
         self.root = Path(workspace).resolve()
+        self.record_file_access = record_file_access      # `run` outcomes list the files the command opened
         self.sandbox, self.run_limits = sandbox, run_limits or Limits(wall_s=30, cpu_s=30)
         self.max_output_chars, self.max_search_hits = max_output_chars, max_search_hits
 
@@ -184,7 +187,8 @@ class WorkspaceTools:
         return ToolOutcome("\n".join(hits) if hits else "no matches")
 
     def _run(self, command: str) -> ToolOutcome:
-        result = self.sandbox.run(command, self.root, limits=self.run_limits)
+        result = self.sandbox.run(command, self.root, limits=self.run_limits,
+                                  record_file_access=self.record_file_access)
         parts = [result.describe()]
         if result.stdout:
             parts.append(result.stdout.rstrip("\n"))
@@ -193,7 +197,8 @@ class WorkspaceTools:
         if result.truncated:
             parts.append(f"[output truncated: {result.stdout_dropped + result.stderr_dropped} more bytes]")
         failed = result.exit_code in CANNOT_START or any(k in STOPPING_LIMITS for k in result.limits_hit)
-        return ToolOutcome("\n".join(parts), ok=not failed, truncated=result.truncated, exit_code=result.exit_code)
+        return ToolOutcome("\n".join(parts), ok=not failed, truncated=result.truncated, exit_code=result.exit_code,
+                           file_accesses=result.file_accesses or ())
 
     def _submit(self) -> ToolOutcome:
         return ToolOutcome("submitted")

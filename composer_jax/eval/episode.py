@@ -3,7 +3,8 @@
 The episode is a composer_jax.envs.TokenEpisode: the agent's ids go in as generated, observations are
 encoded once, and the history is never re-tokenized. The transcript keeps those ids with each turn's
 span, flags, decoded text and weight versions, the behaviour log-probs, the grading and, for coding
-tasks, the agent's diff and lint findings. An agent out of context (`ContextFull`) ends the attempt
+tasks, the agent's diff and lint findings, and, when the environment records what commands open
+(`record_file_access`), the reward-hacking monitor's report. An agent out of context (`ContextFull`) ends the attempt
 unsolved and ungraded: reward 0, status 'context_full'.
 """
 
@@ -13,7 +14,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from composer_jax.envs import TokenEpisode
+from composer_jax.envs import Monitor, TokenEpisode
 from composer_jax.eval.agent import Agent, ContextFull, TurnRequest
 from composer_jax.eval.store import AttemptRecord, transcript_path, write_json
 
@@ -77,7 +78,11 @@ def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) 
         generated_tokens=int(sum(episode.generated)), tool_calls=info["tool_calls"] + info["invalid_calls"],
         tool_errors=info["failed_calls"], lint_added=None if lint is None else lint["added"],
         status=status, wall_s=round(time.monotonic() - start, 3), transcript=transcript_path(task.id, sample))
+    transcript = _transcript(agent, episode, info, record, versions)
+    if getattr(getattr(env, "config", None), "record_file_access", False):
+        workspace = env.sandbox.workspace_path or str(env.workspace)
+        transcript["monitor"] = Monitor().check(episode.turns, workspace=workspace, packages=env.packages).to_json()
     path = run_dir / record.transcript
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, _transcript(agent, episode, info, record, versions), indent=None)
+    write_json(path, transcript, indent=None)
     return record

@@ -38,12 +38,14 @@ class EvalConfig:
     seed: int = 0                     # attempt seeds derive from it, the task and the sample
     level: float = DEFAULT_LEVEL      # of the bootstrap confidence intervals
     resamples: int = DEFAULT_RESAMPLES
+    record_file_access: bool = False  # coding: record what commands open; transcripts get the monitor's report
 
     def coding(self) -> CodingEnvConfig:
         """The coding environment of an attempt."""
         default = CodingEnvConfig()
         return CodingEnvConfig(max_turns=self.max_turns, tools=self.tools or default.tools,
-                               max_output_chars=self.max_output_chars or default.max_output_chars)
+                               max_output_chars=self.max_output_chars or default.max_output_chars,
+                               record_file_access=self.record_file_access)
 
     def __post_init__(self):
         for name, meaning in (("samples", "samples (K, attempts per task)"), ("max_turns", "max turns"),

@@ -18,7 +18,7 @@ from composer_jax.model.decoder import DecoderLayer, create_stack, scan_stack
 from composer_jax.model.layers import Embed, RMSNorm, param, weight
 from composer_jax.model.mtp import MTP, shifted_tokens
 from composer_jax.parallel.mesh import DualMesh
-from composer_jax.parallel.partitioning import activation_spec, gather_sequence, set_mesh
+from composer_jax.parallel.partitioning import activation_spec, gather_sequence, record_layout
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
@@ -92,7 +92,7 @@ class CausalLM(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", cfg.param_dtype, rngs=rngs)
         self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg.param_dtype)
         self.mtp = MTP(cfg, rngs=rngs) if cfg.mtp.num_layers else None
-        set_mesh(self, mesh)
+        record_layout(self, mesh)
 
     def _check_inputs(self, tokens, segment_ids, positions) -> None:
         cfg = self.cfg

@@ -2,6 +2,6 @@
 across the two meshes."""
 
 from composer_jax.parallel.mesh import DualMesh
-from composer_jax.parallel.partitioning import param_shardings, set_mesh, shard_model, state_shardings
+from composer_jax.parallel.partitioning import param_shardings, record_layout, shard_model, state_shardings
 
-__all__ = ["DualMesh", "param_shardings", "set_mesh", "shard_model", "state_shardings"]
+__all__ = ["DualMesh", "param_shardings", "record_layout", "shard_model", "state_shardings"]

@@ -114,11 +114,11 @@ def shard_model(model: nnx.Module, dual: DualMesh) -> nnx.Module:
                           nnx.to_pure_dict(shardings))
     nnx.replace_by_pure_dict(state, placed)
     nnx.update(model, state)
-    set_mesh(model, dual)
+    record_layout(model, dual)
     return model
 
 
-def set_mesh(model: nnx.Module, dual: DualMesh | None) -> nnx.Module:
+def record_layout(model: nnx.Module, dual: DualMesh | None) -> nnx.Module:
     """Record the layout `dual` (None: unsharded) on every submodule with a `mesh` attribute."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and hasattr(node, "mesh"):

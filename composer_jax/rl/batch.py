@@ -48,10 +48,6 @@ class RolloutBatch(NamedTuple):
     teacher_tokens: np.ndarray | None = None  # int32[B, K, T]: hint + flagged turn tokens + padding
     teacher_map: np.ndarray | None = None     # int32[B, K, T]: student position of each turn slot, else -1
 
-    @property
-    def has_feedback(self) -> bool:
-        return self.teacher_tokens is not None
-
 
 def turn_end(generated: np.ndarray, start: int) -> int:
     """The end (exclusive) of the model turn containing `start`: the run of generated tokens.

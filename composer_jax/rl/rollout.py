@@ -327,7 +327,7 @@ class RolloutProducer:
             self.agent.end_episode(key)
             if hasattr(env.env, "close"):
                 env.env.close()
-        report = self.monitor.check(episode.turns, workspace=self.workspace)
+        report = self.monitor.check(episode.turns, workspace=self.workspace, packages=getattr(env.env, "packages", ()))
         reward = self.monitor.apply([episode.reward], [report])[0]
         return Rollout(prompt, sample, episode, [v for turn in versions for v in (turn or ())], report, reward)
 

@@ -114,6 +114,8 @@ class EnvConfig:
     signals: tuple[str, ...] = CodingEnvConfig.signals
     max_final_chars: int = CodingEnvConfig.max_final_chars   # coding: a longer final message is flagged
     lint_edits: bool = CodingEnvConfig.lint_edits            # coding: lint each turn's edits (the style signal)
+    # coding: record the files each `run` command opens (strace), for the monitor to judge (README, Monitor)
+    record_file_access: bool = CodingEnvConfig.record_file_access
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -143,7 +145,8 @@ class EnvConfig:
         return CodingEnvConfig(max_turns=self.max_turns, max_output_chars=self.max_output_chars or
                                default.max_output_chars, tools=self.tools or default.tools,
                                repeat_limit=self.repeat_limit, signals=self.signals,
-                               max_final_chars=self.max_final_chars, lint_edits=self.lint_edits)
+                               max_final_chars=self.max_final_chars, lint_edits=self.lint_edits,
+                               record_file_access=self.record_file_access)
 
     def agent(self, rollout: RolloutConfig) -> dict:
         """The agent settings a run records (model_dirs.AGENT_KEYS): what `eval` of the run uses."""

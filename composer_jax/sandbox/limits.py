@@ -39,6 +39,17 @@ LIMIT_KINDS = ("wall", "cpu", "memory", "processes", "file_size", "output")
 
 
 @dataclasses.dataclass(frozen=True)
+class FileAccess:
+    """A file a command opened or executed (sandbox.file_access records them, `record_file_access`)."""
+
+    syscall: str    # open, openat, openat2, creat (the opened file), execve, execveat (the program)
+    path: str       # the file itself, symlinks resolved: relative to the workspace when inside it, else
+                    # absolute as the command saw it ('/usr/lib/...'); a directory opened to list it ends
+                    # with '/' ('./' the workspace itself)
+    process: str    # the command line that started the opening process (shell-quoted; strace cuts long words: ...)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunResult:
     """One command's outcome. `limits_hit` names each limit that stopped or truncated it (LIMIT_KINDS)."""
 
@@ -49,6 +60,7 @@ class RunResult:
     stderr_dropped: int
     seconds: float
     limits_hit: tuple[str, ...] = ()
+    file_accesses: tuple[FileAccess, ...] | None = None   # None: not recorded (Sandbox.run record_file_access)
 
     @property
     def timed_out(self) -> bool:

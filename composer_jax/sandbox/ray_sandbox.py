@@ -56,7 +56,7 @@ def unpack(data: bytes, directory: Path) -> None:
         tar.extractall(directory, filter=_inside_only)
 
 
-def _run_on_worker(packed: bytes, command, limits: Limits, env) -> tuple[RunResult, bytes]:
+def _run_on_worker(packed: bytes, command, limits: Limits, env, record_file_access: bool) -> tuple[RunResult, bytes]:
     """A Ray task: the command in this machine's bwrap sandbox on a copy of the workspace."""
     sandbox = _worker_sandboxes.get(limits)
     if sandbox is None:
@@ -65,7 +65,7 @@ def _run_on_worker(packed: bytes, command, limits: Limits, env) -> tuple[RunResu
         workspace = Path(tmp) / "workspace"
         workspace.mkdir()
         unpack(packed, workspace)
-        result = sandbox.run(command, workspace, limits=limits, env=env)
+        result = sandbox.run(command, workspace, limits=limits, env=env, record_file_access=record_file_access)
         return result, pack(workspace)
 
 
@@ -90,14 +90,16 @@ class RaySandbox:
         self._remote = ray.remote(_run_on_worker).options(num_cpus=num_cpus, max_retries=0)
 
     def run(self, command: str | Sequence[str], workspace: str | os.PathLike, *, limits: Limits | None = None,
-            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None) -> RunResult:
-        """As `Sandbox.run`, on a Ray worker; afterwards `workspace` holds what the command left there."""
+            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None,
+            record_file_access: bool = False) -> RunResult:
+        """As `Sandbox.run`, on a Ray worker (whose strace records the file accesses); afterwards
+        `workspace` holds what the command left there."""
         if ro_binds:
             raise SandboxError("sandbox ro_binds name paths of this machine: the 'ray' backend cannot mount them")
         workspace = Path(workspace).resolve()
         if not workspace.is_dir():
             raise SandboxError(f"sandbox workspace {workspace} is not a directory")
         result, packed = self._ray.get(self._remote.remote(pack(workspace), command, limits or self.limits,
-                                                           dict(env or {})))
+                                                           dict(env or {}), record_file_access))
         unpack(packed, workspace)
         return result

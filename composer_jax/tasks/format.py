@@ -3,16 +3,19 @@
     TASK_DIR/
       repo/            the workspace the agent edits (copied before anything runs in it)
       task.json        {"id", "instruction", "test_command", "target_tests", ["pass_to_pass"], ["timeout_s"],
-                        ["level"], ["difficulty"]}
+                        ["family"], ["level"], ["difficulty"]}
       solution.patch   a unified diff, -p1 relative to repo/ (kept outside repo/ so the agent never sees it)
 
 `test_command` runs from the root of repo/ (e.g. "python -m pytest -q tests"); `target_tests` are pytest
 node ids (`path/to/test_file.py::[Class::]name[param]`, relative to repo/) the work must make pass
 (may be empty: then the command's exit code decides); `pass_to_pass` are node ids that must keep
-passing. `level` (optional, one of LEVELS) is how much of a feature the generator deleted
-(tasks/levels.py). `difficulty` (optional) describes how hard the task is: `deleted_lines`,
-`deleted_definitions`, `deleted_files`, `target_tests` (counts, set by the generator) and `pass_rate`
-(null until the RL loop records the share of its samples that solved the task, `write_pass_rate`).
+passing. `family` (optional, one of FAMILIES) is the generator that made the task; `level` (optional,
+one of LEVELS) is how much of a feature feature deletion deleted (tasks/levels.py). `difficulty`
+(optional) describes how hard the task is: counts set by the generator (DIFFICULTY_COUNTS: for
+feature deletion `deleted_lines`, `deleted_definitions`, `deleted_files`; for bug injection
+`changed_lines` and `definitions`, those the target tests run; `target_tests` for both), bug
+injection's `mutation` (one of MUTATIONS) and `pass_rate` (null until the RL loop records the share
+of its samples that solved the task, `write_pass_rate`).
 `load_task` validates everything and raises TaskError naming the task and the field.
 """
 
@@ -25,9 +28,13 @@ import re
 from pathlib import Path, PurePosixPath
 
 REQUIRED = ("id", "instruction", "test_command", "target_tests")
-OPTIONAL = ("pass_to_pass", "timeout_s", "level", "difficulty")
-DIFFICULTY_COUNTS = ("deleted_lines", "deleted_definitions", "deleted_files", "target_tests")
+OPTIONAL = ("pass_to_pass", "timeout_s", "family", "level", "difficulty")
+DIFFICULTY_COUNTS = ("deleted_lines", "deleted_definitions", "deleted_files", "changed_lines", "definitions",
+                     "target_tests")
+FAMILIES = ("feature_deletion", "bug_injection")
 LEVELS = ("body", "definition", "feature")
+MUTATIONS = ("comparison", "arithmetic", "off_by_one", "swapped_arguments", "dropped_condition", "dropped_return",
+             "wrong_constant")
 DEFAULT_TIMEOUT_S = 60.0
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -51,6 +58,7 @@ class Task:
     root: Path          # the task directory
     difficulty: dict = dataclasses.field(default_factory=dict)   # DIFFICULTY_COUNTS and pass_rate, when given
     level: str | None = None     # one of LEVELS, when given
+    family: str | None = None    # one of FAMILIES, when given
 
     @property
     def pass_rate(self) -> float | None:
@@ -101,13 +109,21 @@ def _text(name: str, field: str, value) -> str:
     return value
 
 
+def _one_of(name: str, field: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise TaskError(name, field, f"must be one of {', '.join(allowed)}, got {value!r}")
+
+
 def _difficulty(name: str, value) -> dict:
     field = "difficulty"
     if not isinstance(value, dict):
         raise TaskError(name, field, f"must be an object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(DIFFICULTY_COUNTS) - {"pass_rate"})
+    unknown = sorted(set(value) - set(DIFFICULTY_COUNTS) - {"mutation", "pass_rate"})
     if unknown:
-        raise TaskError(name, f"{field}.{unknown[0]}", f"unknown (known: {', '.join(DIFFICULTY_COUNTS)}, pass_rate)")
+        raise TaskError(name, f"{field}.{unknown[0]}",
+                        f"unknown (known: {', '.join(DIFFICULTY_COUNTS)}, mutation, pass_rate)")
+    if "mutation" in value:
+        _one_of(name, f"{field}.mutation", value["mutation"], MUTATIONS)
     for key in DIFFICULTY_COUNTS:
         count = value.get(key, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -180,14 +196,16 @@ def load_task(path: str | Path) -> Task:
         raise TaskError(name, "timeout_s", f"must be a positive number of seconds, got {timeout!r}")
     if not (root / "repo").is_dir():
         raise TaskError(name, "repo", f"missing: {root / 'repo'} must be a directory (the workspace)")
-    level = meta.get("level")
-    if level is not None and level not in LEVELS:
-        raise TaskError(name, "level", f"must be one of {', '.join(LEVELS)}, got {level!r}")
+    level, family = meta.get("level"), meta.get("family")
+    if level is not None:
+        _one_of(name, "level", level, LEVELS)
+    if family is not None:
+        _one_of(name, "family", family, FAMILIES)
     _check_patch(name, root / "solution.patch")
     return Task(id=task_id, instruction=_text(name, "instruction", meta["instruction"]),
                 test_command=_text(name, "test_command", meta["test_command"]), target_tests=targets,
                 pass_to_pass=keep, timeout_s=float(timeout), root=root.resolve(),
-                difficulty=_difficulty(name, meta.get("difficulty", {})), level=level)
+                difficulty=_difficulty(name, meta.get("difficulty", {})), level=level, family=family)
 
 
 def write_pass_rate(path: str | Path, pass_rate: float) -> Task:

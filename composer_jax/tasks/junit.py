@@ -24,9 +24,12 @@ def junit_key(node_id: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
-def read_report(path: Path) -> dict[tuple[str, str], str] | None:
+def read_report(path: Path, messages: dict[tuple[str, str], str] | None = None
+                ) -> dict[tuple[str, str], str] | None:
     """{(classname, name): outcome} from a JUnit XML file; None if it is missing or unreadable.
-    A test case reported twice (e.g. a teardown error after a pass) keeps its worst outcome."""
+    A test case reported twice (e.g. a teardown error after a pass) keeps its worst outcome.
+    `messages`: filled with {(classname, name): message} of the failures and errors (pytest's one-line
+    summary of the exception, e.g. "AssertionError: assert 3 == 4")."""
     try:
         root = ET.parse(path).getroot()
     except (OSError, ET.ParseError):
@@ -37,6 +40,9 @@ def read_report(path: Path) -> dict[tuple[str, str], str] | None:
         outcome = ERROR if "error" in tags else FAILED if "failure" in tags else SKIPPED if "skipped" in tags \
             else PASSED
         key = (case.get("classname", ""), case.get("name", ""))
+        if messages is not None and outcome in (FAILED, ERROR):
+            found = next(child for child in case if child.tag in ("error", "failure"))
+            messages.setdefault(key, found.get("message") or (found.text or "").strip())
         if _SEVERITY[outcome] >= _SEVERITY.get(outcomes.get(key, PASSED), 0):
             outcomes[key] = outcome
     return outcomes

@@ -37,7 +37,7 @@ from composer_jax.tasks.features import (
 )
 from composer_jax.tasks.format import LEVELS
 
-__all__ = ["LEVELS", "RepoIndex", "level_instruction", "plan_level", "target_list"]
+__all__ = ["LEVELS", "RepoIndex", "level_instruction", "plan_level", "shown_tests", "target_list"]
 
 MAX_LISTED_TESTS = 20
 MAX_SHOWN_TESTS = 3          # target tests whose source the instruction quotes
@@ -262,6 +262,18 @@ def test_source(texts: dict[str, str], node_id: str) -> str | None:
     return textwrap.dedent("\n".join(lines))
 
 
+def shown_tests(texts: dict[str, str], targets: list[str], hide: tuple[str, ...] = ()) -> str | None:
+    """The source of the first MAX_SHOWN_TESTS distinct target tests, for an instruction; a test whose
+    source holds one of `hide` is not shown."""
+    shown, seen = [], set()
+    for test in targets:
+        source = test_source(texts, test)
+        if source and source not in seen and len(shown) < MAX_SHOWN_TESTS and not any(h in source for h in hide):
+            seen.add(source)
+            shown.append(f"{test.split('[', 1)[0]}:\n{textwrap.indent(source, '    ')}")
+    return "The failing tests include:\n\n" + "\n\n".join(shown) if shown else None
+
+
 def level_instruction(deletion: Deletion, targets: list[str], command: str, texts: dict[str, str],
                       kept_words: Counter) -> str:
     """What is missing, from the names the kept code uses and the failing tests (their names and
@@ -289,13 +301,8 @@ def level_instruction(deletion: Deletion, targets: list[str], command: str, text
         parts.append("Imports of the deleted code were removed from " +
                      ", ".join(f"`{p}`" for p in deletion.imports_cleaned) + ".")
     parts.append(target_list(targets))
-    shown, seen = [], set()
-    for test in targets:
-        source = test_source(texts, test)
-        if source and source not in seen and len(shown) < MAX_SHOWN_TESTS:
-            seen.add(source)
-            shown.append(f"{test.split('[', 1)[0]}:\n{textwrap.indent(source, '    ')}")
+    shown = shown_tests(texts, targets)
     if shown:
-        parts.append("The failing tests include:\n\n" + "\n\n".join(shown))
+        parts.append(shown)
     parts.append(f"Run the tests with: {command}")
     return "\n\n".join(parts)

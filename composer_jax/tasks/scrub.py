@@ -10,7 +10,7 @@
    repository's Python files after the deletion, and its test files); `scrub_leaks` deletes every
    other file that contains one (docs, changelogs or READMEs quoting the code, anything else) and
    symlinks that point out of the workspace; `find_leaks` scans every file's bytes (binary ones
-   included) for them.
+   included) for them. An injected bug's needles are the original lines it changed (`line_needles`).
 3. `installed_copies`: the repository's packages must not be importable in the sandbox without the
    workspace (an installed copy would hand the agent the deleted code, and shadow its work).
 """
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from composer_jax.sandbox import Sandbox
-from composer_jax.tasks.features import Deletion
+from composer_jax.tasks.features import Deletion, FileEdit
 from composer_jax.tasks.tracing import FeatureDeletionError
 from composer_jax.tasks.workspace import NEVER_COPIED, TEST_DIRS, copy_repo, is_test_file
 
@@ -57,9 +57,9 @@ def repo_texts(repo: Path) -> dict[str, str]:
     return texts
 
 
-def kept_code(texts: dict[str, str], deletion: Deletion) -> list[str]:
-    """repo_texts with the changed modules as they are after the deletion (a deleted one left out)."""
-    edited = {f.path: f.modified for f in deletion.files}
+def kept_code(texts: dict[str, str], files: Iterable[FileEdit]) -> list[str]:
+    """repo_texts with the changed modules as they are after the edits `files` (a deleted one left out)."""
+    edited = {f.path: f.modified for f in files}
     after = (edited.get(rel, text) for rel, text in texts.items())
     return [text for text in after if text is not None]
 
@@ -67,12 +67,18 @@ def kept_code(texts: dict[str, str], deletion: Deletion) -> list[str]:
 def leak_needles(deletion: Deletion, kept: list[str]) -> set[str]:
     """What must not appear anywhere in a task directory but solution.patch: the deleted lines, string
     constants and helper names that the kept code does not contain (see the module docstring)."""
-    blob = "\n".join(kept)
-    found = {line.strip() for line in deletion.removed if len(line.strip()) >= MIN_NEEDLE_CHARS}
-    found |= {s for s in deletion.strings if len(s.strip()) >= MIN_NEEDLE_CHARS and "\n" not in s.strip()}
+    more = {s for s in deletion.strings if len(s.strip()) >= MIN_NEEDLE_CHARS and "\n" not in s.strip()}
     # names of removed private helpers; not the feature's own (the instruction names it), nor dunders
-    found |= {h.name for h in deletion.helpers if len(h.name) >= MIN_NAME_CHARS and h is not deletion.feature
-              and not (h.name.startswith("__") and h.name.endswith("__"))}
+    more |= {h.name for h in deletion.helpers if len(h.name) >= MIN_NAME_CHARS and h is not deletion.feature
+             and not (h.name.startswith("__") and h.name.endswith("__"))}
+    return line_needles(deletion.removed, kept, more)
+
+
+def line_needles(lines: Iterable[str], kept: list[str], more: Iterable[str] = ()) -> set[str]:
+    """The `lines` (stripped, at least MIN_NEEDLE_CHARS long) and `more` strings that the kept code
+    (kept_code) does not contain: what a task directory must not hold."""
+    blob = "\n".join(kept)
+    found = {line.strip() for line in lines if len(line.strip()) >= MIN_NEEDLE_CHARS} | set(more)
     return {n for n in found if n not in blob}
 
 
