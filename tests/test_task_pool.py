@@ -27,7 +27,8 @@ from composer_jax.rl.run_config import EnvConfig, load_rl_config
 from composer_jax.rl.sampler import SamplerConfig, TaskSampler
 from composer_jax.rl.task_pool import PoolConfig, TaskPool
 from composer_jax.rl.task_sets import TaskSets, grow_pool
-from composer_jax.tasks.families import FAMILIES, Family, pool_id, run_job
+from composer_jax.tasks.families import GENERATORS, Family, pool_id, run_job
+from composer_jax.tasks.tracing import FeatureDeletionError
 from tests.rl_parity import ParityEnv
 from tests.test_feature_deletion import write_repo
 from tests.test_feature_levels import LEVEL_SOURCES, TESTS_DESCRIBE
@@ -129,7 +130,7 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     # Metrics: made by family and level, and every sampled task live or retired.
     last = records[-1]
     assert last["pool_made/feature_deletion/body"] == 2 and last["pool_made/feature_deletion/feature"] == 1
-    assert last["pool_live"] + last["pool_retired"] == len(sampler.stats) and last["pool_retired/base/-"] == 24
+    assert last["pool_live"] + last["pool_retired"] == len(sampler.stats) and last["pool_retired/-/-"] == 24
     assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0
     assert 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
     # Never waiting: a poll takes milliseconds while a job takes seconds; the learner's step is unchanged.
@@ -209,6 +210,14 @@ def test_worker_imports_no_jax_and_reports_a_failing_generator(tmp_path):
     assert result["tasks"] == [] and result["error"].startswith("FeatureDeletionError: REPO_DIR ")
 
 
+@pytest.mark.parametrize("family", sorted(GENERATORS))
+def test_every_registered_family_resolves(tmp_path, family):
+    """Each entry names a real generator and config: called, it reaches the generator's own input check."""
+    generator = GENERATORS[family]
+    with pytest.raises(FeatureDeletionError, match="^REPO_DIR .*missing: not a directory"):
+        generator.make(tmp_path / "missing", tmp_path / "out", max_tasks=2, seed=0, level=generator.levels[-1])
+
+
 def test_a_family_is_one_registry_entry(tmp_path, monkeypatch):
     """A family is a module, its generator and its config: the job calls it with max_tasks, seed (and
     level), renames its tasks to pool ids and drops those the pool has."""
@@ -223,7 +232,7 @@ def test_a_family_is_one_registry_entry(tmp_path, monkeypatch):
         "        (pathlib.Path(out_dir) / i / 'task.json').write_text(json.dumps({'id': i}))\n"
         "    return {'tasks': [{'id': i} for i in ids], 'kept': len(ids), 'tried': len(ids)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(FAMILIES, "fake", Family("fake_family", "generate", "Config"))
+    monkeypatch.setitem(GENERATORS, "fake", Family("fake_family", "generate", "Config"))
     job_dir = tmp_path / "job"
     job_dir.mkdir()
     skip = pool_id("fake", "/x/my repo", "", "bug0")

@@ -419,8 +419,7 @@ class RolloutProducer:
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
         if self.pool is not None:
-            metrics.update(self.pool.metrics(self.sampler.stats, {i: getattr(t, "level", None)
-                                                                  for i, t in self.tasks.items()}))
+            metrics.update(self.pool.metrics(self.sampler.stats, self.tasks))
         return ProducedBatch(index, batch, [p.draw for p in prompts], [g.prompt for g in trainable],
                              [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics,
                              [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),

@@ -46,12 +46,11 @@ from pathlib import Path
 import composer_jax
 from composer_jax.config import ConfigError
 from composer_jax.tasks import Task, load_task
-from composer_jax.tasks.families import FAMILIES, RESULT
+from composer_jax.tasks.families import GENERATORS, RESULT
 
 STATE_VERSION = 1
 SOLVED_RATE = 0.75     # a live task whose smoothed recent pass rate is at least this counts as solved
 NICE = 19              # the generation process's niceness (the lowest priority): the learner and the rollouts go first
-BASE = "base"          # the family name the metrics give the run's own tasks (not made by the pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +64,9 @@ class PoolConfig:
     min_open_share: float = 0.25       # grow when fewer of the live tasks than this are open (not yet solved)
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ConfigError("family", f"must be one of {', '.join(FAMILIES)}, got {self.family!r}")
-        known = FAMILIES[self.family].levels
+        if self.family not in GENERATORS:
+            raise ConfigError("family", f"must be one of {', '.join(GENERATORS)}, got {self.family!r}")
+        known = GENERATORS[self.family].levels
         unknown = [level for level in self.levels if level not in known]
         if unknown:
             raise ConfigError("levels", f"{unknown[0]!r} is not a level of {self.family} "
@@ -80,7 +79,7 @@ class PoolConfig:
 
     @property
     def level_order(self) -> tuple[str, ...]:
-        return self.levels or FAMILIES[self.family].levels
+        return self.levels or GENERATORS[self.family].levels
 
 
 class PoolError(RuntimeError):
@@ -243,15 +242,16 @@ class TaskPool:
 
     # -- metrics ----------------------------------------------------------------------------------
 
-    def metrics(self, stats: dict, levels: dict[str, str | None]) -> dict[str, float]:
+    def metrics(self, stats: dict, tasks: dict) -> dict[str, float]:
         """Tasks made, live and retired, in all and by family and level (`pool_made/feature_deletion/body`;
-        the run's own tasks are family `base`, their level from task.json: `levels`, id -> level), jobs
-        ended, whether one runs now, and the generation time (seconds, the last job's and all jobs')."""
-        family = {r["id"]: r["family"] for r in self.state["tasks"]}
+        live and retired count every task of the sampler's `stats`, by its task.json family and level from
+        `tasks`, id -> task, `-` where it has none), jobs ended, whether one runs now, and the generation
+        time (seconds, the last job's and all jobs')."""
         made = Counter((r["family"], r["level"] or "-") for r in self.state["tasks"])
         live, retired = Counter(), Counter()
         for task_id, s in stats.items():
-            key = (family.get(task_id, BASE), levels.get(task_id) or "-")
+            task = tasks[task_id]
+            key = (getattr(task, "family", None) or "-", getattr(task, "level", None) or "-")
             (retired if s.retired else live)[key] += 1
         out = {"pool_made": float(len(self.state["tasks"])), "pool_live": float(sum(live.values())),
                "pool_retired": float(sum(retired.values())), "pool_jobs": float(self.state["jobs"]),

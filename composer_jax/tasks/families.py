@@ -1,10 +1,10 @@
 """Task families: the generators that make coding tasks from a repository, by name, behind one call.
 
-    FAMILIES["feature_deletion"].make(repo_dir, out_dir, max_tasks=4, seed=0, level="body")   # -> report
+    GENERATORS["feature_deletion"].make(repo_dir, out_dir, max_tasks=4, seed=0, level="body")   # -> report
 
 Every family's generator has the shape `generate(repo_dir, out_dir, config) -> report` (report.json's
 dict) with a config that takes `max_tasks` and `seed`, and `level` when the family has levels (listed
-easiest first). Adding a family is one line in FAMILIES (its module is imported only when used).
+easiest first). Adding a family is one line in GENERATORS (its module is imported only when used).
 
 `python -m composer_jax.tasks.families JOB_DIR` runs one generation job of the RL task pool
 (`composer_jax.rl.task_pool`) in a process of its own: it reads JOB_DIR/job.json, makes the tasks into
@@ -43,9 +43,10 @@ class Family:
         return getattr(module, self.generate)(repo_dir, out_dir, config)
 
 
-FAMILIES = {
+GENERATORS = {
     "feature_deletion": Family("composer_jax.tasks.feature_deletion", "generate_tasks", "FeatureDeletionConfig",
                                LEVELS),
+    "bug_injection": Family("composer_jax.tasks.bug_injection", "generate_bug_tasks", "BugInjectionConfig"),
 }
 
 
@@ -62,7 +63,7 @@ def run_job(job_dir: Path) -> dict:
     job = json.loads((job_dir / "job.json").read_text(encoding="utf-8"))
     result = {"tasks": [], "duplicates": 0, "kept": 0, "tried": 0, "error": None}
     try:
-        report = FAMILIES[job["family"]].make(job["repo"], job_dir / "out", max_tasks=job["max_tasks"],
+        report = GENERATORS[job["family"]].make(job["repo"], job_dir / "out", max_tasks=job["max_tasks"],
                                                seed=job["seed"], level=job["level"])
     except Exception as e:  # noqa: BLE001  (the generator's one-line input errors, and anything else: reported)
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
