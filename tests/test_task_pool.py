@@ -71,7 +71,7 @@ def learner_step() -> float:
     """A fixed piece of host work standing in for the learner's step; its wall time in seconds."""
     start = time.perf_counter()
     a = np.random.default_rng(0).standard_normal((96, 96))
-    for _ in range(200):
+    for _ in range(500):
         a = np.tanh(a @ a.T / 96)
     return time.perf_counter() - start
 
@@ -118,10 +118,11 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
                 break
     finally:
         pool.close()
+    without_job += [learner_step() for _ in range(10)]     # before and after: the machine's load drifts
     made = pool.tasks()
     levels = [t.level for t in made]
     assert not pool.growing and levels == sorted(levels, key=("body", "feature").index), levels
-    assert levels.count("body") == 2 and levels.count("feature") == 1, levels    # what the two levels keep
+    assert levels.count("body") == 2 and levels.count("feature") == 1, (levels, pool.state)   # what the levels keep
     assert set(base) | {t.id for t in made} == set(sampler.stats) == set(producer.tasks)
     # Harder by their recorded features: the feature level deletes more lines, definitions and files.
     body, feature = difficulty([t for t in made if t.level == "body"]), difficulty([t for t in made
@@ -134,13 +135,13 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0
     assert 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
     # Never waiting: a poll takes milliseconds while a job takes seconds; the learner's step is unchanged.
-    assert max(pool.polls) < 0.25 and last["pool_generation_s_total"] > 2, (max(pool.polls), last)
+    assert max(pool.polls) < min(0.25, last["pool_generation_s_total"] / 10), (max(pool.polls), last)
     assert with_job
     ratio = statistics.median(with_job) / statistics.median(without_job)
     print(f"learner stand-in: {statistics.median(without_job) * 1e3:.1f} ms without a job ({len(without_job)} "
           f"steps), {statistics.median(with_job) * 1e3:.1f} ms with one ({len(with_job)}), ratio {ratio:.2f}; "
           f"polls max {max(pool.polls) * 1e3:.1f} ms; generation {last['pool_generation_s_total']:.1f} s")
-    assert ratio < 2.0
+    assert ratio < 1.6, (with_job, without_job)     # loose: other processes share this machine's cores
 
     # A restart: the same tasks and progress from RUN_DIR/pool; the sampler's saved state names them all.
     again = TaskPool(pool_cfg, [str(repo)], tmp_path / "run" / "pool", seed=0, base_ids=list(base))

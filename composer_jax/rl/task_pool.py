@@ -50,7 +50,7 @@ from composer_jax.tasks.families import GENERATORS, RESULT
 
 STATE_VERSION = 1
 SOLVED_RATE = 0.75     # a live task whose smoothed recent pass rate is at least this counts as solved
-NICE = 19              # the generation process's niceness (the lowest priority): the learner and the rollouts go first
+NICE = 19              # the generation process's niceness (the lowest): the learner and the rollouts go first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,22 +137,27 @@ class TaskPool:
 
     # -- growing ----------------------------------------------------------------------------------
 
+    def _open_repos(self) -> list[str]:
+        """The configured repositories that can still make tasks (none once the pool has max_tasks)."""
+        if len(self.state["tasks"]) >= self.cfg.max_tasks:
+            return []
+        levels = len(self.cfg.level_order)
+        return [r for r in self.repos if self.state["repos"][r]["error"] is None and self.state["repos"][r]["level"]
+                < levels]
+
     def _next_job(self) -> dict | None:
         """The next (repository, level) to make tasks from, repositories in turn; None when none is left."""
-        order = self.cfg.level_order
-        made = len(self.state["tasks"])
-        if made >= self.cfg.max_tasks:
+        open_repos = self._open_repos()
+        if not open_repos:
             return None
-        for k in range(len(self.repos)):
-            repo = self.repos[(self.state["next_repo"] + k) % len(self.repos)]
-            progress = self.state["repos"][repo]
-            if progress["error"] is None and progress["level"] < len(order):
-                self.state["next_repo"] = (self.repos.index(repo) + 1) % len(self.repos)
-                wanted = min(max(self.cfg.round_tasks, progress["made"]), self.cfg.max_tasks - made)
-                return {"family": self.cfg.family, "repo": repo, "level": order[progress["level"]],
-                        "seed": self.seed, "max_tasks": progress["made"] + wanted, "wanted": wanted,
-                        "skip_ids": sorted(self._loaded) + sorted(self.base_ids)}
-        return None
+        n = len(self.repos)
+        repo = min(open_repos, key=lambda r: (self.repos.index(r) - self.state["next_repo"]) % n)
+        self.state["next_repo"] = (self.repos.index(repo) + 1) % n
+        progress = self.state["repos"][repo]
+        wanted = min(max(self.cfg.round_tasks, progress["made"]), self.cfg.max_tasks - len(self.state["tasks"]))
+        return {"family": self.cfg.family, "repo": repo, "level": self.cfg.level_order[progress["level"]],
+                "seed": self.seed, "max_tasks": progress["made"] + wanted, "wanted": wanted,
+                "skip_ids": sorted(self._loaded) + sorted(self.base_ids)}
 
     def _wants_tasks(self, stats: dict) -> bool:
         """Grow: tasks were retired since the last job began, or too few tasks are open."""
@@ -171,7 +176,8 @@ class TaskPool:
         with open(job_dir / "worker.log", "wb") as out:
             process = subprocess.Popen(["nice", "-n", str(NICE), sys.executable, "-m", "composer_jax.tasks.families",
                                         str(job_dir)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+                                       process_group=0)   # not a new session: that would be a scheduling
+                                                          # group of its own (autogroup), where nice is moot
         self.state["retired_at_start"] = retired
         self._job = (process, job_dir, job)
 
@@ -182,13 +188,12 @@ class TaskPool:
         n = self.state["jobs"]
         self.state["jobs"] += 1
         progress = self.state["repos"][job["repo"]]
-        result_path = job_dir / RESULT
-        result = (json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else
-                  {"tasks": [], "seconds": 0.0, "error": f"the generation process exited with code "
-                                                         f"{process.returncode} (see {job_dir / 'worker.log'})"})
         final = self.dir / "jobs" / str(n)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(job_dir, final)
+        result = (json.loads((final / RESULT).read_text(encoding="utf-8")) if (final / RESULT).is_file() else
+                  {"tasks": [], "seconds": 0.0, "error": f"the generation process exited with code "
+                                                         f"{process.returncode} (see {final / 'worker.log'})"})
         self.state["last_generation_s"] = result["seconds"]
         self.state["generation_s"] += result["seconds"]
         where = f"{job['family']} {job['level'] or ''} tasks from {job['repo']}".replace("  ", " ")
@@ -224,12 +229,7 @@ class TaskPool:
     @property
     def growing(self) -> bool:
         """Whether a job runs now or another one can still be made."""
-        return self._job is not None or self._next_job_possible()
-
-    def _next_job_possible(self) -> bool:
-        order = self.cfg.level_order
-        return len(self.state["tasks"]) < self.cfg.max_tasks and any(
-            p["error"] is None and p["level"] < len(order) for p in self.state["repos"].values())
+        return self._job is not None or bool(self._open_repos())
 
     def close(self) -> None:
         """Stop a running job (a resumed run makes it again)."""
