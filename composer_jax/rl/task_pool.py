@@ -111,7 +111,8 @@ class TaskPool:
                           "repos": {r: {"level": 0, "made": 0, "error": None} for r in self.repos}, "tasks": []}
         for record in self.state["tasks"]:
             self._loaded[record["id"]] = self._load(record)
-        shutil.rmtree(self.dir / "jobs" / "running", ignore_errors=True)     # a job the stopped run left
+        for left in (self.dir / "jobs").glob("running-*"):     # jobs a stopped run left
+            shutil.rmtree(left, ignore_errors=True)
 
     def _read_state(self) -> dict:
         try:
@@ -167,8 +168,8 @@ class TaskPool:
                 or open_tasks < self.cfg.min_open_share * len(live))
 
     def _start(self, job: dict, retired: int) -> None:
-        job_dir = self.dir / "jobs" / "running"
-        shutil.rmtree(job_dir, ignore_errors=True)
+        # named by this process: a job process a killed run left behind never writes into a later run's job
+        job_dir = self.dir / "jobs" / f"running-{os.getpid()}-{self.state['jobs']}"
         job_dir.mkdir(parents=True)
         _write_json(job_dir / "job.json", job)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
