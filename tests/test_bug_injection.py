@@ -9,7 +9,7 @@ import pytest
 
 from composer_jax.envs.coding import CodingEnv
 from composer_jax.envs.protocol import PlainFormat
-from composer_jax.tasks import GENERATORS, BugInjectionConfig, generate_bug_tasks, load_task
+from composer_jax.tasks import load_task
 from composer_jax.tasks.features import find_definitions
 from composer_jax.tasks.format import MUTATIONS
 from composer_jax.tasks.mutations import find_mutations
@@ -253,8 +253,7 @@ def test_a_task_grades_in_the_coding_environment(generated, sandbox):  # noqa: F
     assert done and info["task_reward"] == 1.0 and info["check"]["status"] == "ok"
 
 
-def test_one_signature_for_both_families_and_bad_input(tmp_path):
-    assert GENERATORS["bug_injection"] == (BugInjectionConfig, generate_bug_tasks)
+def test_bad_input_is_one_line(tmp_path):
     code, out, err = run_cli("tasks", "bug-injection", tmp_path / "missing", tmp_path / "out")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith("composer-jax tasks bug-injection: error: REPO_DIR ") and "missing: not a directory" in err

@@ -49,7 +49,7 @@ from composer_jax.rl.reference import ReferencePolicy
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, engine_sampling
 from composer_jax.rl.run_config import RLRunConfig, resolve_run
 from composer_jax.rl.step import RLStep
-from composer_jax.rl.task_sets import TaskSets, task_sets
+from composer_jax.rl.task_sets import TaskSets, grow_pool, task_sets
 from composer_jax.source_weights import load_model
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train.checkpoints import RunCheckpoints
@@ -130,6 +130,7 @@ class RLTrainer:
         self.tokenizer = setup.tokenizer
         cfg = self.cfg
         self.tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
+        self.pool = grow_pool(cfg.env, self.tasks, cfg.seed, cfg.run_dir)   # its tasks so far join the set
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
         try:
             self._build()
@@ -218,7 +219,7 @@ class RLTrainer:
                                    timeout_s=r.engine_timeout_s,
                                    settings=engine_settings(self.cfg), weight_transfer=r.weight_transfer)
         return RolloutProducer(self.agent, self.tasks.train, self.tasks.make_env, self.sampler, self.groups, self.cfg,
-                               start_index=start, workspace=self.tasks.workspace)
+                               start_index=start, workspace=self.tasks.workspace, pool=self.pool)
 
     def _save(self, step: int) -> None:
         states = self.engine_states
@@ -240,6 +241,8 @@ class RLTrainer:
         writer = metrics_lib.MetricsWriter(self.run_dir if lead else None, keep_through=keep_through)
         progress = metrics_lib.Progress(cfg.rl.steps, start, cfg.progress, muted=not lead)
         producer = self._rollouts(start)
+        if self.pool is not None:
+            self.pool.log = progress.write
         overlap, rewards, dropped_stale = Overlap(), [], 0
         summary = {"start_step": start, "steps": cfg.rl.steps}
         saved, trained = self.resumed_from, False
@@ -320,6 +323,8 @@ class RLTrainer:
                 summary.update(interruption(stop, checkpoint))
         finally:
             producer.stop()
+            if self.pool is not None:
+                self.pool.close()
             if self.agent is not None:
                 self.agent.close()
             progress.close()

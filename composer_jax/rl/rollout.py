@@ -31,7 +31,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,6 +45,7 @@ from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import Prompt, TaskSampler
+from composer_jax.rl.task_pool import TaskPool
 
 POLL_S = 0.05
 
@@ -230,13 +231,14 @@ class RolloutProducer:
     """See the module docstring. `agent`: an EngineAgent (or any agent with update_weights/version);
     `tasks`: id -> task; `make_env()`: a fresh environment per episode; `workspace`: where the
     environment's commands see the repository (for the monitor); `stride`: the step between this
-    producer's batch indices (one of several engines: rollout.engines)."""
+    producer's batch indices (one of several engines: rollout.engines); `pool`: a growing task pool,
+    polled before each batch (its new tasks join `tasks` and the sampler)."""
 
-    def __init__(self, agent, tasks: Mapping[str, object], make_env: Callable[[], object], sampler: TaskSampler,
+    def __init__(self, agent, tasks: dict[str, object], make_env: Callable[[], object], sampler: TaskSampler,
                  groups: GroupAssembler, cfg: RLRunConfig, *, start_index: int = 0, workspace: str = "/workspace",
-                 stride: int = 1):
+                 stride: int = 1, pool: TaskPool | None = None):
         self.agent, self.tasks, self.make_env, self.sampler, self.groups = agent, tasks, make_env, sampler, groups
-        self.cfg, self.workspace, self.stride = cfg, workspace, stride
+        self.cfg, self.workspace, self.stride, self.pool = cfg, workspace, stride, pool
         self.monitor = Monitor(cfg.monitor)
         self.index = start_index
         self._published: tuple[object, int] = (None, start_index)    # (weights, version)
@@ -329,8 +331,23 @@ class RolloutProducer:
         reward = self.monitor.apply([episode.reward], [report])[0]
         return Rollout(prompt, sample, episode, [v for turn in versions for v in (turn or ())], report, reward)
 
+    def _grow(self) -> None:
+        """The pool's new tasks join the task set and the sampler. With every task retired, wait for the
+        pool's next tasks (there is nothing else to train on) while it can still make some."""
+        while not self._stop.is_set():
+            new = self.pool.poll(self.sampler.stats)
+            self.tasks.update((t.id, t) for t in new)
+            self.sampler.add_tasks(t.id for t in new)
+            if self.sampler.active() or not self.pool.growing:
+                return
+            time.sleep(POLL_S * 10)
+
     def produce(self, index: int) -> ProducedBatch | None:
         """One batch for policy version `index` (None if stopped meanwhile)."""
+        if self.pool is not None:
+            self._grow()
+            if self._stop.is_set():
+                return None
         start, began = time.perf_counter(), time.time()
         before = dict(self.groups.counts)
         prompts = self.sampler.draw(self.cfg.prompts_per_step)
@@ -401,6 +418,8 @@ class RolloutProducer:
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
+        if self.pool is not None:
+            metrics.update(self.pool.metrics(self.sampler.stats, self.tasks))
         return ProducedBatch(index, batch, [p.draw for p in prompts], [g.prompt for g in trainable],
                              [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics,
                              [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),

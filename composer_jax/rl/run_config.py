@@ -20,6 +20,7 @@ from composer_jax.envs.toy import FAMILIES
 from composer_jax.model_dirs import Chat, ModelSource, run_chat, run_chat_setup, source_for
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.sampler import SamplerConfig
+from composer_jax.rl.task_pool import PoolConfig
 from composer_jax.train.config import CheckpointConfig, load_config_with_model
 
 
@@ -99,6 +100,10 @@ class EnvConfig:
     eval_dir: str = ""              # coding: held-out tasks ("": none)
     repo: str = ""                  # coding without tasks_dir: make tasks from this repository (feature deletion) in RUN_DIR/tasks
     max_tasks: int = 20             # coding with repo: tasks to make (the last eval_tasks of them are held out)
+    # coding: repositories to make more tasks from while training, as the policy solves its tasks (rl/task_pool.py;
+    # empty: the task set stays as it is)
+    repos: tuple[str, ...] = ()
+    pool: PoolConfig = PoolConfig()  # coding with repos: how the task pool grows
     max_turns: int = 4              # coding, and toy with use_tool (a retry after a bad call): assistant turns per episode
     # coding: the tools declared to the agent (must include submit); []: the ones init_from was trained
     # with, else all
@@ -128,6 +133,8 @@ class EnvConfig:
                 raise ConfigError(key, str(e).split(": ", 1)[-1]) from None
         if self.repeat_limit < 2:
             raise ConfigError("repeat_limit", f"must be >= 2, got {self.repeat_limit}")
+        if self.repos and self.kind != "coding":
+            raise ConfigError("repos", f"a growing task pool makes coding tasks: needs kind=coding, got {self.kind!r}")
         if self.kind == "coding" and not (self.tasks_dir or self.repo):
             raise ConfigError("tasks_dir", "the coding environment needs a task directory (composer-jax tasks "
                                            "feature-deletion REPO OUT) or a repository to make tasks from (env.repo)")
@@ -193,6 +200,9 @@ class RLRunConfig:
             check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
+        if self.env.repos and self.rollout.transport != "thread":
+            raise ConfigError("env.repos", "a growing task pool feeds the learner's own rollout producer: needs "
+                                           f"rollout.transport=thread, got {self.rollout.transport!r}")
 
     @property
     def teacher_slots(self) -> int:
@@ -238,7 +248,12 @@ def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
     cfg = load_config_with_model(RLRunConfig, path_or_name, overrides)
     absolute = lambda p: str(Path(p).expanduser().absolute()) if p else p  # noqa: E731
     env = dataclasses.replace(cfg.env, tasks_dir=absolute(cfg.env.tasks_dir), eval_dir=absolute(cfg.env.eval_dir),
-                              repo=shipped_path(cfg.env.repo))
+                              repo=shipped_path(cfg.env.repo), repos=tuple(map(shipped_path, cfg.env.repos)))
+    for i, repo in enumerate(env.repos):
+        if not Path(repo).is_dir():
+            raise ConfigError(f"env.repos[{i}]", f"{repo}: does not exist or is not a directory")
+        if repo in env.repos[:i]:
+            raise ConfigError(f"env.repos[{i}]", f"{repo}: listed twice")
     rollout = cfg.rollout
     if rollout.transport == "directory":
         exchange = absolute(rollout.exchange_dir) or str(Path(absolute(cfg.run_dir)) / "exchange")

@@ -1,7 +1,8 @@
 """The RL run's environment and task sets: training tasks (by id, for the sampler), held-out tasks (for
 the periodic pass@1, run by `composer_jax.eval.evaluate`) and a factory of fresh environments. Coding
 tasks come from a task directory, or are made once from a repository by feature deletion
-(`composer-jax tasks feature-deletion`) into RUN_DIR/tasks."""
+(`composer-jax tasks feature-deletion`) into RUN_DIR/tasks; with `env.repos`, more are made while
+training (`grow_pool`: RUN_DIR/pool, rl/task_pool.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from composer_jax.config import ConfigError
 from composer_jax.envs import ToyEnv, get_format, toy_tasks
 from composer_jax.rl.run_config import EnvConfig
+from composer_jax.rl.task_pool import TaskPool
 
 
 @dataclasses.dataclass
@@ -84,3 +86,13 @@ def task_sets(cfg: EnvConfig, seed: int, run_dir: str | Path) -> TaskSets:
             raise ConfigError("env.tasks_dir", f"{cfg.tasks_dir}: does not exist or is not a directory")
         return coding_task_sets(cfg, Path(run_dir), seed)
     return toy_task_sets(cfg, seed)
+
+
+def grow_pool(cfg: EnvConfig, tasks: TaskSets, seed: int, run_dir: str | Path) -> TaskPool | None:
+    """The run's growing task pool (None without env.repos); the tasks it made before (a resumed run)
+    join `tasks.train`."""
+    if not cfg.repos:
+        return None
+    pool = TaskPool(cfg.pool, cfg.repos, Path(run_dir) / "pool", seed, list(tasks.train))
+    tasks.train.update((t.id, t) for t in pool.tasks())
+    return pool
