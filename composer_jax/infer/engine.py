@@ -42,6 +42,16 @@ from composer_jax.tree_paths import path_str
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNKS = (16, 64, 256)
+ATTEND_ROUNDING = 64  # decode attends to a power-of-two multiple of this many cache positions
+
+
+def attend_length(longest: int, max_len: int) -> int:
+    """Cache positions a decode call attends to when no slot grows past `longest`: the smallest
+    ATTEND_ROUNDING x 2^i that holds it, at most max_len (few programs, never all of a long cache)."""
+    bucket = ATTEND_ROUNDING
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_len)
 
 
 class GenerationError(ValueError):
@@ -250,7 +260,7 @@ class Engine:
             out = program(*args)
         if sum(programs.TRACES.values()) > before:
             self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
-            shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps}"
+            shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps} attend={args[5]}"
             what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
             self.compiled.append(what)
             log.info("compiled %s in %.1f s (%d programs)", what, time.perf_counter() - start, len(self.compiled))
@@ -326,11 +336,11 @@ class Engine:
             tokens[i, :len(take)], n_valid[i] = take, len(take)
             finishing[i] = len(todo) <= width
             lookahead[i] = todo[width] if not finishing[i] else 0
-        start = time.perf_counter()
+        start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
         self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args)
         first = jax.device_get(first)
-        self.stats["prefill_s"] += time.perf_counter() - start
+        self.stats["prefill_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["prefill_tokens"] += int(n_valid.sum())
         for i in reading:
             slot = self.slots[i]
@@ -354,11 +364,13 @@ class Engine:
         slots = Slots(np.array(live(lambda s: s.cached, 0), np.int32), np.array(live(lambda s: s.history[-1], 0), np.int32),
                       np.array(live(lambda s: True, False)), np.array(live(lambda s: s.budget, 0), np.int32),
                       stop_ids, self._sampling())
-        start = time.perf_counter()
+        per_step = 2 if self.speculative else 1
+        attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps, self.max_len)
+        start, compiling = time.perf_counter(), self.stats["compile_s"]
         self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self.state, self.cache,
-                                                    self._put(slots), self.steps)
+                                                    self._put(slots), self.steps, attend)
         emitted, active = jax.device_get((emitted, out_slots.active))
-        self.stats["decode_s"] += time.perf_counter() - start
+        self.stats["decode_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["drafted"] += int(emitted.drafted.sum())
         self.stats["accepted"] += int(emitted.accepted.sum())
         self.stats["decode_steps"] += int((emitted.count.sum(axis=1) > 0).sum())
