@@ -22,6 +22,7 @@ from composer_jax.eval import EvalConfig, EvalError, TurnRequest, evaluate
 from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig, tool_format, turn_stops
 from composer_jax.eval.store import FIELDS
 from composer_jax.infer import GenerationError, generate, programs
+from composer_jax.infer.engine import attend_length
 from composer_jax.source_weights import open_model
 from composer_jax.tasks.examples import write_example_task
 from tests.random_models import random_model, save_random_run
@@ -168,9 +169,11 @@ def test_episodes_share_engine_steps_with_a_bounded_number_of_programs(dialogue_
     assert alone.stats["max_requests_per_step"] == 1 and alone.stats["requests"] == 24
     assert 1 < shared.stats["max_requests_per_step"] <= 4 and shared.stats["requests"] == 24
     assert shared.stats["engine_steps"] < alone.stats["engine_steps"]
-    # 48 requests of many prompt lengths: at most one decode program and one prefill program per chunk
-    # width (none when an earlier test compiled this shape); the second engine reuses the first's
-    assert traces <= 1 + len(shared.engine.chunks) and shared.engine.compiled == []
+    # 48 requests of many prompt lengths: at most one decode program per attended length and one prefill
+    # program per chunk width (none when an earlier test compiled this shape); the second engine reuses
+    # the first's
+    attended = {attend_length(n, SHAPE["max_len"]) for n in range(1, SHAPE["max_len"] + 1)}
+    assert traces <= len(attended) + len(shared.engine.chunks) and shared.engine.compiled == []
     assert alone.engine.kept == {} and shared.engine.kept == {}   # every episode's slot was released
 
 

@@ -9,10 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from scipy.special import log_softmax
 
 from composer_jax import config, load_config
 from composer_jax.infer import Engine, GenerationError, SamplingParams, programs
 from composer_jax.infer.cache import latent_bytes_per_token, per_head_kv_bytes_per_token
+from composer_jax.infer.engine import attend_length
+from composer_jax.infer.generate import default_slots
 from composer_jax.infer.sampling import SlotSampling, processed_logprobs
 from composer_jax.model import rope
 from composer_jax.model.attention import MLA
@@ -226,3 +229,29 @@ def test_cache_holds_the_576_value_latent_per_layer_and_token(model):
     assert per_head_kv_bytes_per_token(k25) == 64 * (192 + 128) * 61 * 2
     assert per_head_kv_bytes_per_token(k25) / latent_bytes_per_token(k25) == pytest.approx(35.56, abs=0.01)
     assert jax.tree.leaves(engine.cache.main)[0].dtype == jnp.float32
+
+
+def test_decode_attends_to_a_bucket_of_the_cache_and_keeps_the_full_forward_tokens(cfg):
+    """With a cache longer than the slots have filled, decode programs attend to the bucket holding the
+    filled part (64, then 128 of 192 positions) and give the greedy tokens and log-probs of the full
+    forward over the prompt and the tokens generated so far."""
+    model = random_model(config.replace(cfg, **{"rope.max_position_embeddings": 192}), 5)
+    engine = Engine(model, max_slots=1, max_len=192, chunk_sizes=(32,), steps_per_call=32)
+    prompt = _prompts(8, [20])[0]
+    out = _run_alone(engine, prompt, max_new_tokens=50, sampling=SamplingParams(0.0), stop_tokens=[])
+    assert [c for c in engine.compiled if c.startswith("decode")] == [
+        "decode steps=32 attend=64 slots=1 max_len=192", "decode steps=32 attend=128 slots=1 max_len=192"]
+    logits = np.asarray(model(np.asarray([prompt + out.tokens[:-1]], np.int32)), np.float64)[0, len(prompt) - 1:]
+    assert out.tokens == logits.argmax(-1).tolist()
+    np.testing.assert_allclose(out.logprobs, log_softmax(logits, axis=-1)[np.arange(50), out.tokens], atol=1e-4)
+
+
+def test_attend_lengths_and_default_slots():
+    assert [attend_length(n, 192) for n in (1, 64, 65, 128, 129, 500)] == [64, 64, 128, 128, 192, 192]
+    tiny, free = load_config("tiny"), 1 << 40
+    assert [default_slots(tiny, n, 64, False, free) for n in (1, 3, 8, 16, 17, 33, 128)] == [1, 4, 8, 16, 32, 48, 128]
+    # The bound: half the free memory over one slot's cache (main latents, plus MTP's when speculative).
+    per_slot = latent_bytes_per_token(tiny) * 64
+    assert default_slots(tiny, 128, 64, False, 2 * 10 * per_slot) == 10
+    assert default_slots(tiny, 128, 64, True, 2 * 10 * per_slot) < 10
+    assert default_slots(tiny, 128, 64, False, 0) == 1

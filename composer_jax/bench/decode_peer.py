@@ -6,7 +6,8 @@ Per model size and batch: tokens/s end to end (prefill included, compilation exc
 tokens/s (ours: the engine's decode calls; transformers': (N - 1) tokens per row over the time a
 generation of N tokens takes beyond one of 1 token), the ratio, and each side's fraction of the
 memory-bandwidth roofline: the bytes a decode step must read (the weights it uses and the latent
-cache) against the machine's copy bandwidth, measured in the same run. Also the MoE dispatch backends
+cache) against the machine's copy bandwidth, measured in the same run. transformers runs at the torch
+thread count it is faster with here (`peer_threads`). Also the MoE dispatch backends
 timed at each batch's decode shape, and the one our decode program picks there.
 """
 
@@ -102,6 +103,23 @@ def peer_generate(model, prompts: np.ndarray, new_tokens: int) -> tuple[float, n
     return time.perf_counter() - start, out[:, prompts.shape[1]:].numpy()
 
 
+def peer_threads(model, prompts: np.ndarray) -> dict:
+    """{"threads": torch's thread count that generates faster here (1 or every core: on a busy machine
+    many threads wait on each other at every small op), "seconds": {count: s of a short generation}}."""
+    import os
+
+    import torch
+
+    seconds = {}
+    for count in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(count)
+        peer_generate(model, prompts, 2)                 # the first call at a thread count pays its set-up
+        seconds[count] = min(peer_generate(model, prompts, 4)[0] for _ in range(2))
+    best = min(seconds, key=seconds.get)
+    torch.set_num_threads(best)
+    return {"threads": best, "seconds": {str(k): round(v, 4) for k, v in seconds.items()}}
+
+
 def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     """Median ms of one MoE layer's routed experts (forward) per dispatch backend at a decode step's
     shape (`batch` tokens), and the backend our decode program uses there."""
@@ -117,7 +135,7 @@ def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
                                  for s in ((e, d, f), (e, d, f), (e, f, d))))
     calls = {kind: (lambda fn: lambda: fn(x, weights, idx, w))(jax.jit(fn)) for kind, fn in dispatch.BACKENDS.items()}
     ms = {kind: round(1e3 * s, 3) for kind, s in medians(interleaved(calls, repeats)).items()}
-    chosen = dispatch.decode_backend(jax.default_backend(), batch, k, e, moe.dispatch)
+    chosen = dispatch.inference_backend(jax.default_backend(), batch, k, e, moe.dispatch)
     return {"median_ms": ms, "chosen": chosen, "fastest": min(ms, key=ms.get)}
 
 
@@ -128,7 +146,7 @@ def compare_at(model, peer, batch: int, prompt_len: int, new_tokens: int, repeat
     prompts = np.random.default_rng(batch).integers(2, model.cfg.vocab_size, (batch, prompt_len))
     ours_args = dict(max_new_tokens=new_tokens, temperature=0.0, stop_tokens=[])
     generate(model, prompts.tolist(), **ours_args)      # compiles
-    peer_generate(peer, prompts[:1], 2)                 # torch's first call pays its own warm-up
+    threads = peer_threads(peer, prompts)
     runs = {"ours": [], "ours_decode": [], "peer": [], "peer_decode": []}
     for _ in range(repeats):
         out = generate(model, prompts.tolist(), **ours_args)
@@ -150,6 +168,7 @@ def compare_at(model, peer, batch: int, prompt_len: int, new_tokens: int, repeat
             "step_bytes": {k: int(v) for k, v in read.items()}, "roofline_tokens_per_s": round(roofline, 1),
             "ours_roofline_fraction": round(ours_decode / roofline, 4),
             "transformers_roofline_fraction": round(peer_decode / roofline, 4),
+            "transformers_threads": threads,
             "same_greedy_rows": float(np.mean([a == b.tolist() for a, b in zip(out.tokens, peer_tokens)])),
             "runs": {k: [round(v, 1) for v in r] for k, r in runs.items()},
             "dispatch": dispatch_at_decode(model.cfg, batch, repeats)}
@@ -160,12 +179,9 @@ def decode_peer_section(sizes: tuple, batches: tuple, prompt_len: int, new_token
     """Every (model size, batch) row, the measured copy bandwidth and the machine's load."""
     import os
 
-    import torch
-
     from composer_jax import from_pretrained, load_config
 
-    out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(), "torch_threads": torch.get_num_threads(),
-           "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+    out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(), "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
            "load_average_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
     positions = max(64, -(-(prompt_len + new_tokens) // 64) * 64)
     for name in sizes:

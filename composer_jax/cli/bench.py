@@ -4,6 +4,7 @@ its reference, in one run (composer_jax/bench/suite.py), one JSON, a short table
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -33,6 +34,10 @@ def _run_bench(args) -> int:
     out = Path(args.json).expanduser()
     if not out.parent.is_dir():   # before minutes of measuring
         raise FileNotFoundError(f"--json {args.json}: the directory {out.parent} does not exist")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if "decode_peer" in sections and missing:
+        raise ConfigError("", f"--sections decode_peer runs transformers' generate and needs {' and '.join(missing)} "
+                              "(pip install 'composer-jax[test]'), or leave the section out")
     use_cpu_devices(8)            # CPU runs: 8 fake devices (dispatch and Muon shard over them)
     import jax
 
@@ -61,8 +66,8 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks side by side against their references (JSON + table)",
                        description="Measure the training step (tokens/s, MFU, compiled over model FLOPs), "
                                    "attention implementations, dispatch backends against dense, the RL "
-                                   "teacher's share, speculative against plain decoding and Muon against "
-                                   "optax, in one run.")
+                                   "teacher's share, speculative against plain decoding, our decoding against "
+                                   "transformers' and Muon against optax, in one run.")
     p.add_argument("--json", required=True, metavar="PATH", help="write the results here")
     p.add_argument("--quick", action="store_true", help="a smoke run: smallest sizes, fewest repeats")
     p.add_argument("--preset", choices=("auto",) + PRESETS, default="auto",

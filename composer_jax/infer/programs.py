@@ -27,7 +27,7 @@ from composer_jax.infer.cache import Cache, Latents
 from composer_jax.infer.sampling import DRAFT, SAMPLE, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
 from composer_jax.infer.speculative import verify
 from composer_jax.model.attention import LatentCache
-from composer_jax.model.dispatch import decode_backend
+from composer_jax.model.dispatch import inference_backend
 from composer_jax.model.moe import MoE
 
 TRACES: collections.Counter = collections.Counter()  # traces (= compilations) per program name
@@ -121,14 +121,14 @@ def _draft(model, normed: jax.Array, sampling: SlotSampling, index: jax.Array):
     return draw(q, sampling, index, DRAFT), q
 
 
-def _use_decode_dispatch(model, tokens: int) -> None:
-    """Switch the (merged, traced) model's MoE layers to the dispatch backend fastest for decode steps
-    of `tokens` tokens (dispatch.decode_backend). Layers placed on a mesh keep theirs: their experts
+def _use_inference_dispatch(model, tokens: int) -> None:
+    """Switch the (merged, traced) model's MoE layers to the dispatch backend fastest for a forward of
+    `tokens` tokens (dispatch.inference_backend). Layers placed on a mesh keep theirs: their experts
     are laid out for it."""
     k = model.cfg.moe.num_experts_per_tok
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MoE) and module.mesh is None:
-            module.dispatch = decode_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
+            module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
 
 
 def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling):
@@ -139,6 +139,7 @@ def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead,
     Returns (cache, Sampled per slot: meaningful where finishing)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
+    _use_inference_dispatch(model, tokens.size)
     hidden, main = _main(model, cache.main, lengths, tokens, n_valid, absorbed=False)
     last, index = n_valid - 1, lengths + n_valid
     first = sample(model.logits(_at(hidden, last)), sampling, index)
@@ -205,7 +206,7 @@ def _decode(graphdef, state, cache: Cache, slots: Slots, steps: int, attend: int
     model = nnx.merge(graphdef, state)
     per_step = 1 if cache.mtp is None else 2
     n = slots.lengths.shape[0]
-    _use_decode_dispatch(model, n * per_step)
+    _use_inference_dispatch(model, n * per_step)
     step = functools.partial(_plain_step if cache.mtp is None else _speculative_step, attend=attend)
     zeros = lambda dtype, *shape: jnp.zeros(shape, dtype)  # noqa: E731
     emitted = Emitted(zeros(jnp.int32, steps, n, per_step), zeros(jnp.float32, steps, n, per_step),

@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 
+DENSE_EXPERTS_PER_K = 4   # CPU inference runs `dense` up to this many experts per routed one (measured: 4)
+
+
 class ExpertWeights(NamedTuple):
     gate: jax.Array  # [experts, embed, moe_mlp]
     up: jax.Array    # [experts, embed, moe_mlp]
@@ -65,16 +68,20 @@ def gather(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -
     return y.astype(x.dtype)
 
 
-def decode_backend(platform: str, tokens: int, k: int, experts: int, configured: str) -> str:
-    """The backend for a decode step of `tokens` tokens on `platform` (jax.default_backend()).
+def inference_backend(platform: str, tokens: int, k: int, experts: int, configured: str) -> str:
+    """The backend for an inference forward of `tokens` tokens (a decode step, a prefill chunk) on
+    `platform` (jax.default_backend()).
 
-    On CPU, measured at decode shapes (`composer-jax bench --sections decode_peer` records it): `gather`
-    while the assignments touch fewer expert matrices than there are experts (it reads only those),
-    else `dense` (one pass over every expert's weights; `ragged` was 1.5-3x slower at every batch).
-    Elsewhere the model's own (`configured`) backend."""
+    On CPU, measured at decode shapes (`composer-jax bench --sections decode_peer` records it, 16
+    experts, top-4): `gather` while the assignments touch fewer expert matrices than there are experts
+    (it reads only those), else `dense` (one pass over every expert's weights; `ragged` was 1.5-5x
+    slower at 8 to 128 tokens) as long as dense's extra compute (experts / k) stays within
+    DENSE_EXPERTS_PER_K. Otherwise, and on other platforms, the model's own (`configured`) backend."""
     if platform != "cpu":
         return configured
-    return "gather" if tokens * k < experts else "dense"
+    if tokens * k < experts:
+        return "gather"
+    return "dense" if experts <= DENSE_EXPERTS_PER_K * k else configured
 
 
 BACKENDS: dict[str, Callable[..., jax.Array]] = {"dense": dense, "ragged": ragged, "gather": gather}
