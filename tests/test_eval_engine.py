@@ -170,10 +170,10 @@ def test_episodes_share_engine_steps_with_a_bounded_number_of_programs(dialogue_
     assert 1 < shared.stats["max_requests_per_step"] <= 4 and shared.stats["requests"] == 24
     assert shared.stats["engine_steps"] < alone.stats["engine_steps"]
     # 48 requests of many prompt lengths: at most one decode program per attended length and one prefill
-    # program per chunk width (none when an earlier test compiled this shape); the second engine reuses
-    # the first's
-    attended = {attend_length(n, SHAPE["max_len"]) for n in range(1, SHAPE["max_len"] + 1)}
-    assert traces <= len(attended) + len(shared.engine.chunks) and shared.engine.compiled == []
+    # program per chunk width and attended length (none when an earlier test compiled this shape); the
+    # second engine reuses the first's
+    attended = {attend_length(n, SHAPE["max_len"]) for n in range(SHAPE["max_len"] + 1)}
+    assert traces <= len(attended) * (1 + len(shared.engine.chunks)) and shared.engine.compiled == []
     assert alone.engine.kept == {} and shared.engine.kept == {}   # every episode's slot was released
 
 

@@ -91,8 +91,9 @@ def test_sampling_distribution_matches_the_numpy_reference(temperature, top_k, t
 
 def test_staggered_arrivals_equal_one_at_a_time_with_bounded_compiles(model):
     """Requests arriving while others decode, queueing for slots and sharing batches get exactly the
-    tokens they get alone; the whole mixed stream compiles one decode program and at most one prefill
-    program per chunk width, and a second engine of the same shapes compiles nothing."""
+    tokens they get alone; the whole mixed stream compiles one decode program (the cache is one attended
+    length) and at most two prefill programs per chunk width (chunks that start prompts attend to no
+    cache), and a second engine of the same shapes compiles nothing."""
     shapes = dict(SHAPES, max_len=48)  # unique to this test: the first engine compiles its programs
     lengths, new = [3, 9, 17, 30, 41, 12], [5, 9, 4, 7, 6, 6]
     settings = [SamplingParams(0.0), SamplingParams(0.9, 1.0, 40, seed=1), SamplingParams(1.0, 0.8, 0, seed=2),
@@ -101,7 +102,7 @@ def test_staggered_arrivals_equal_one_at_a_time_with_bounded_compiles(model):
                 for p, n, s in zip(_prompts(2, lengths), new, settings)]
     alone = Engine(model, **shapes)
     expected = [_run_alone(alone, **r) for r in requests]
-    assert 2 <= len(alone.compiled) <= len(shapes["chunk_sizes"]) + 1, alone.compiled
+    assert 2 <= len(alone.compiled) <= 2 * len(shapes["chunk_sizes"]) + 1, alone.compiled
     assert sum(1 for c in alone.compiled if c.startswith("decode")) == 1
 
     engine = Engine(model, **shapes)

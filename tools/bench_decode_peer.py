@@ -47,7 +47,8 @@ def main(argv=None) -> int:
             print(f"{size:>12} batch {row['batch']:>3}: ours {row['ours_tokens_per_s']:9.1f} tok/s, transformers "
                   f"{row['transformers_tokens_per_s']:9.1f} tok/s, x{row['ratio']:.2f} (decode only "
                   f"x{row['decode_ratio']:.2f}); roofline {100 * row['ours_roofline_fraction']:.1f}% vs "
-                  f"{100 * row['transformers_roofline_fraction']:.1f}%; dispatch {d['chosen']} (fastest {d['fastest']})")
+                  f"{100 * row['transformers_roofline_fraction']:.1f}%; dispatch {d['chosen']} "
+                  f"(fastest {d['fastest']})")
     print(f"wrote {args.json}")
     return 0
 

@@ -181,7 +181,8 @@ def decode_peer_section(sizes: tuple, batches: tuple, prompt_len: int, new_token
 
     from composer_jax import from_pretrained, load_config
 
-    out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(), "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+    out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(), "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "repeats": repeats,
            "load_average_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
     positions = max(64, -(-(prompt_len + new_tokens) // 64) * 64)
     for name in sizes:

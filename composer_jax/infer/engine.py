@@ -7,10 +7,12 @@ slot that is generating, so new requests join while others keep decoding. A fini
 or kept (`keep=True`) so that a follow-up request (`continue_from`) prefills only its new tokens after
 the kept history: an agent's next turn after a tool's output.
 
-Shapes are fixed by (max_slots, max_len, chunk width, steps_per_call): any stream of requests compiles
-one decode program and at most one prefill program per chunk width; each compilation is logged and
-listed in `compiled`. `update_weights(weights, version)` swaps parameters of the same shapes in place,
-without retracing; every token records the version that produced it.
+Shapes are fixed by (max_slots, max_len, chunk width, steps_per_call) and the cache positions a call
+attends to (`attend_length`: the filled part rounded up to 64 x 2^i, never all of a long cache): any
+stream of requests compiles at most one decode program per attended length and one prefill program
+per chunk width and attended length; each compilation is logged and listed in `compiled`.
+`update_weights(weights, version)` swaps parameters of the same shapes in place, without retracing;
+every token records the version that produced it.
 
 Under a DualMesh (`model.mesh`), the engine places the model with the inference layout
 (`DualMesh.for_inference()`: replicated dense weights, experts on ep) and splits the slots over the
@@ -42,12 +44,15 @@ from composer_jax.tree_paths import path_str
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNKS = (16, 64, 256)
-ATTEND_ROUNDING = 64  # decode attends to a power-of-two multiple of this many cache positions
+ATTEND_ROUNDING = 64  # programs attend to a power-of-two multiple of this many cache positions
 
 
 def attend_length(longest: int, max_len: int) -> int:
-    """Cache positions a decode call attends to when no slot grows past `longest`: the smallest
-    ATTEND_ROUNDING x 2^i that holds it, at most max_len (few programs, never all of a long cache)."""
+    """Cache positions a program attends to when no slot it serves grows past `longest`: the smallest
+    ATTEND_ROUNDING x 2^i that holds it, at most max_len (few programs, never all of a long cache);
+    0 for 0 (prompts that start)."""
+    if longest == 0:
+        return 0
     bucket = ATTEND_ROUNDING
     while bucket < longest:
         bucket *= 2
@@ -260,7 +265,8 @@ class Engine:
             out = program(*args)
         if sum(programs.TRACES.values()) > before:
             self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
-            shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps} attend={args[5]}"
+            shape = f"chunk={args[4].shape[1]} attend={args[9]}" if name == "prefill" else \
+                f"steps={self.steps} attend={args[5]}"
             what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
             self.compiled.append(what)
             log.info("compiled %s in %.1f s (%d programs)", what, time.perf_counter() - start, len(self.compiled))
@@ -338,7 +344,9 @@ class Engine:
             lookahead[i] = todo[width] if not finishing[i] else 0
         start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
-        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args)
+        attend = attend_length(max(self.slots[i].cached for i in reading), self.max_len)
+        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args,
+                                       attend)
         first = jax.device_get(first)
         self.stats["prefill_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["prefill_tokens"] += int(n_valid.sum())

@@ -62,8 +62,12 @@ def default_slots(cfg, prompts: int, max_len: int, speculative: bool, free_bytes
     """Slots for `prompts` requests: the count rounded up to a power of two up to SLOT_ROUNDING and to a
     multiple of it beyond, at most what CACHE_MEMORY_SHARE of `free_bytes` holds (extra requests
     queue for a free slot)."""
-    bucket = 1 << (prompts - 1).bit_length() if prompts <= SLOT_ROUNDING else -(-prompts // SLOT_ROUNDING) * SLOT_ROUNDING
-    per_slot = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(cache_shapes(cfg, 1, max_len, speculative)))
+    if prompts <= SLOT_ROUNDING:
+        bucket = 1 << (prompts - 1).bit_length()
+    else:
+        bucket = -(-prompts // SLOT_ROUNDING) * SLOT_ROUNDING
+    shapes = jax.tree.leaves(cache_shapes(cfg, 1, max_len, speculative))
+    per_slot = sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
     return max(1, min(bucket, int(CACHE_MEMORY_SHARE * free_bytes) // per_slot))
 
 

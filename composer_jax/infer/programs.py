@@ -3,8 +3,10 @@
 
 Both take the model's parameters as an argument next to its static graphdef, so weights of the same
 shapes, dtypes and placement (a new policy version) never retrace, and both donate the cache, which
-they update in place. Shapes depend only on (slots, cache length, chunk width, decode steps), so a
-stream of requests of any lengths runs on one decode program and one prefill program per chunk width.
+they update in place. Shapes depend only on (slots, cache length, chunk width, decode steps, attended
+cache length), so a stream of requests of any lengths runs on a few decode programs and one prefill
+program per chunk width. The MoE layers dispatch with the backend fastest for each program's token
+count on the platform (`dispatch.inference_backend`), whatever the model trains with.
 
 The cache holds, per layer, slot and position, the MLA latent (normalised c_kv and the rotated shared
 rope key); a slot's first `lengths[slot]` positions are valid. Rolling back is lowering a length:
@@ -85,7 +87,7 @@ def _write(latents: Latents, c_kv: jax.Array, k_rope: jax.Array, lengths: jax.Ar
 
 def _prefix(latents: Latents, lengths: jax.Array, attend: int | None) -> LatentCache:
     """The cache as attention's prefix: its first `attend` positions (None: all), those < lengths visible."""
-    attend = attend or latents.c_kv.shape[2]
+    attend = latents.c_kv.shape[2] if attend is None else attend
     return LatentCache(latents.c_kv[:, :, :attend], latents.k_rope[:, :, :attend], _visible(lengths, attend))
 
 
@@ -95,8 +97,10 @@ def _positions(lengths: jax.Array, width: int) -> jax.Array:
 
 def _main(model, latents: Latents, lengths, tokens, n_valid, absorbed: bool, attend: int | None = None):
     """The main model over tokens int32[slots, width] at positions lengths + i, attending to the cache's
-    first `attend` positions (None: all). Returns (hidden [slots, width, embed], latents with the first n_valid[s] new positions stored)."""
-    out = model.forward(tokens, positions=_positions(lengths, tokens.shape[1]), prefix=_prefix(latents, lengths, attend),
+    first `attend` positions (None: all). Returns (hidden [slots, width, embed], latents with the first
+    n_valid[s] new positions stored)."""
+    out = model.forward(tokens, positions=_positions(lengths, tokens.shape[1]),
+                        prefix=_prefix(latents, lengths, attend),
                         with_mtp=False, return_latents=True, absorbed=absorbed)
     return out.hidden, _write(latents, out.latents.c_kv, out.latents.k_rope, lengths, n_valid)
 
@@ -131,16 +135,17 @@ def _use_inference_dispatch(model, tokens: int) -> None:
             module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
 
 
-def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling):
+def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling, attend: int):
     """One chunk of prompt per slot: tokens int32[slots, chunk], of which the first n_valid[s] are real
-    (0: the slot sits this chunk out). Where `finishing[s]` the chunk ends the slot's prompt and its first
+    (0: the slot sits this chunk out), attending to the cache's first `attend` positions (the host's
+    bound on the reading slots' lengths; 0 when they all start). Where `finishing[s]` the chunk ends the slot's prompt and its first
     new token is drawn (sequence index lengths + n_valid); in speculative mode MTP depth 1 also runs over
     the chunk (`lookahead[s]`: the prompt token after an unfinished chunk) and drafts the token after.
     Returns (cache, Sampled per slot: meaningful where finishing)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
     _use_inference_dispatch(model, tokens.size)
-    hidden, main = _main(model, cache.main, lengths, tokens, n_valid, absorbed=False)
+    hidden, main = _main(model, cache.main, lengths, tokens, n_valid, absorbed=False, attend=attend)
     last, index = n_valid - 1, lengths + n_valid
     first = sample(model.logits(_at(hidden, last)), sampling, index)
     cache = cache._replace(main=main)
@@ -149,7 +154,7 @@ def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead,
         following = jnp.concatenate([tokens[:, 1:], lookahead[:, None]], axis=1)
         ends = (jnp.arange(width)[None] == last[:, None]) & finishing[:, None]
         following = jnp.where(ends, first.token[:, None], following)
-        normed, mtp = _mtp(model, cache.mtp, lengths, hidden, following, n_valid, absorbed=False)
+        normed, mtp = _mtp(model, cache.mtp, lengths, hidden, following, n_valid, absorbed=False, attend=attend)
         draft, q = _draft(model, _at(normed, last), sampling, index + 1)
         cache = Cache(main, mtp, jnp.where(finishing, draft, cache.draft),
                       jnp.where(finishing[:, None], q, cache.draft_logprobs))
@@ -230,5 +235,5 @@ def _decode(graphdef, state, cache: Cache, slots: Slots, steps: int, attend: int
     return cache, slots, emitted
 
 
-prefill = jax.jit(_prefill, static_argnums=0, donate_argnums=2)
+prefill = jax.jit(_prefill, static_argnums=(0, 9), donate_argnums=2)
 decode = jax.jit(_decode, static_argnums=(0, 4, 5), donate_argnums=2)
