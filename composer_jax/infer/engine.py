@@ -331,7 +331,8 @@ class Engine:
         if not reading:
             return
         need = max(len(self.slots[i].todo) for i in reading)
-        width = next((c for c in self.chunks if c >= need), self.chunks[-1])
+        # The widest chunk the longest prompt fills (rest in narrower chunks), not a wider one it pads.
+        width = max((c for c in self.chunks if c <= need), default=self.chunks[0])
         n = self.max_slots
         tokens, n_valid = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
         lookahead, finishing = np.zeros(n, np.int32), np.zeros(n, bool)
