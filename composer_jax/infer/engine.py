@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,13 @@ def attend_length(longest: int, max_len: int) -> int:
     while bucket < longest:
         bucket *= 2
     return min(bucket, max_len)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(shapes):
+    """Zero arrays of `shapes` (ShapeDtypeStructs): one program per cache shape, shared by every engine
+    of it (a fresh `generate` call compiles nothing here)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class GenerationError(ValueError):
@@ -129,8 +137,8 @@ class Engine:
         shapes = cache_shapes(cfg, max_slots, max_len, speculative)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
         with self._traced_on():
-            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                 out_shardings=out)()
+            self.cache = _zeros(shapes) if out is None else jax.jit(lambda: _zeros.__wrapped__(shapes),
+                                                                     out_shardings=out)()
         self.slots: list[_Slot | None] = [None] * max_slots
         self.queue: collections.deque = collections.deque()
         self.kept: dict[int, int] = {}          # request id -> its kept slot
