@@ -147,17 +147,33 @@ def dialogue_runs(opened, tmp_path_factory):
     return runs, sum(programs.TRACES.values()) - traces
 
 
+def _assert_close(a, b, where: str) -> None:
+    """JSON values equal, floats within 1e-5."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_close(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, abs=1e-5), where
+    else:
+        assert a == b, where
+
+
 def test_transcripts_do_not_depend_on_the_worker_count(dialogue_runs):
-    """Byte for byte: tokens, behaviour log-probs, turns. (Engines of other slot counts give the same
-    tokens, with log-probs within ~1e-6: matmuls of another batch size round differently.)"""
+    """Tokens, turns and texts equal, behaviour log-probs within 1e-5: programs attend to the cache up
+    to the longest slot they serve, rounded up, and the prompts read together set the chunks, so
+    batch-mates change the rounding (as matmuls of another slot count do)."""
     (one, _), (five, _) = dialogue_runs[0][1], dialogue_runs[0][5]
     assert sorted((r["task"], r["sample"]) for r in _records(one)) == sorted(
         (r["task"], r["sample"]) for r in _records(five))
     texts = set()
     for r in _records(one):
-        a, b = ((run / r["transcript"]).read_bytes() for run in (one, five))
-        assert a == b, r["transcript"]
-        transcript = json.loads(a)
+        transcript, other = (json.loads((run / r["transcript"]).read_bytes()) for run in (one, five))
+        _assert_close(transcript, other, r["transcript"])
         assert len(transcript["turns"]) == 4 and r["generated_tokens"] == 4 * 16
         texts.add(transcript["text"])
     assert len(texts) == 6          # every attempt drew its own tokens
