@@ -138,9 +138,10 @@ def _use_inference_dispatch(model, tokens: int) -> None:
 def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling, attend: int):
     """One chunk of prompt per slot: tokens int32[slots, chunk], of which the first n_valid[s] are real
     (0: the slot sits this chunk out), attending to the cache's first `attend` positions (the host's
-    bound on the reading slots' lengths; 0 when they all start). Where `finishing[s]` the chunk ends the slot's prompt and its first
-    new token is drawn (sequence index lengths + n_valid); in speculative mode MTP depth 1 also runs over
-    the chunk (`lookahead[s]`: the prompt token after an unfinished chunk) and drafts the token after.
+    bound on the reading slots' lengths; 0 when they all start). Where `finishing[s]` the chunk ends
+    the slot's prompt and its first new token is drawn (sequence index lengths + n_valid); in
+    speculative mode MTP depth 1 also runs over the chunk (`lookahead[s]`: the prompt token after an
+    unfinished chunk) and drafts the token after.
     Returns (cache, Sampled per slot: meaningful where finishing)."""
     TRACES["prefill"] += 1
     model = nnx.merge(graphdef, state)
