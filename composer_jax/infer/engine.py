@@ -38,6 +38,7 @@ from composer_jax.infer import programs
 from composer_jax.infer.cache import cache_shapes
 from composer_jax.infer.programs import Slots
 from composer_jax.infer.sampling import SamplingParams, SlotSampling
+from composer_jax.model.decoder import unstack_layers
 from composer_jax.parallel import shard_model
 from composer_jax.parallel.partitioning import inference_batch_sharding
 from composer_jax.tree_paths import path_str
@@ -153,7 +154,7 @@ class Engine:
     def _place(self, model):
         graphdef, state = nnx.split(model)
         if self.dual is None:
-            return graphdef, state
+            return graphdef, unstack_layers(state)
         twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
         return nnx.split(twin)
 
@@ -252,6 +253,7 @@ class Engine:
         device into the engine's layout, without installing them: a learner takes this snapshot before
         its next step donates the arrays. Thread-safe (it touches no engine state)."""
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
+        state = unstack_layers(state) if self.dual is None else state
         have = jax.tree_util.tree_flatten_with_path(self.state)[0]
         got, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self.state):
