@@ -135,6 +135,7 @@ class Engine:
         self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
         self.graphdef, self.state = self._place(model)
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        self._program_state = self._for_programs(self.state)
         shapes = cache_shapes(cfg, max_slots, max_len, speculative)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
         with self._traced_on():
@@ -154,9 +155,15 @@ class Engine:
     def _place(self, model):
         graphdef, state = nnx.split(model)
         if self.dual is None:
-            return graphdef, unstack_layers(state)
+            return graphdef, state
         twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
         return nnx.split(twin)
+
+    def _for_programs(self, state):
+        """The parameters the programs take: on one CPU device the layer stacks split into per-layer
+        arrays (`unstack_layers`; a copy next to `state`, which keeps the model's layout for
+        `place_weights` and weight exchange), else `state` itself."""
+        return unstack_layers(state) if self.dual is None and jax.default_backend() == "cpu" else state
 
     def _traced_on(self):
         """The context the programs trace in: the dense mesh as JAX's context mesh (Explicit axes)."""
@@ -246,6 +253,7 @@ class Engine:
         """Swap in new parameters (a CausalLM or its nnx.State, any placement) of the same structure,
         shapes and dtypes; the compiled programs are reused. Tokens produced from now on record `version`."""
         self.state = self.place_weights(weights)
+        self._program_state = self._for_programs(self.state)
         self.version = version
 
     def place_weights(self, weights) -> nnx.State:
@@ -253,7 +261,6 @@ class Engine:
         device into the engine's layout, without installing them: a learner takes this snapshot before
         its next step donates the arrays. Thread-safe (it touches no engine state)."""
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
-        state = unstack_layers(state) if self.dual is None else state
         have = jax.tree_util.tree_flatten_with_path(self.state)[0]
         got, treedef = jax.tree_util.tree_flatten_with_path(state)
         if treedef != jax.tree.structure(self.state):
@@ -356,7 +363,7 @@ class Engine:
         start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
         attend = attend_length(max(self.slots[i].cached for i in reading), self.max_len)
-        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args,
+        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self._program_state, self.cache, *args,
                                        attend)
         first = jax.device_get(first)
         self.stats["prefill_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
@@ -386,7 +393,7 @@ class Engine:
         per_step = 2 if self.speculative else 1
         attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps, self.max_len)
         start, compiling = time.perf_counter(), self.stats["compile_s"]
-        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self.state, self.cache,
+        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self._program_state, self.cache,
                                                     self._put(slots), self.steps, attend)
         emitted, active = jax.device_get((emitted, out_slots.active))
         self.stats["decode_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
