@@ -102,7 +102,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    dispatch: Literal["dense", "ragged", "ep_a2a", "ep_ragged"] = "ragged"
+    dispatch: Literal["dense", "ragged", "gather", "blocked", "ep_a2a", "ep_ragged"] = "ragged"
     # ep_a2a / ep_ragged exchange buffers per device, as a multiple of its expected expert assignments
     # (local tokens x k); copies beyond them are dropped and counted. 0 = dropless (worst-case buffers:
     # ep x tokens x min(k, experts per device) rows, 48x the assignments at Kimi K2.5 scale)
