@@ -102,9 +102,9 @@ class MoEConfig:
     topk_group: int = 1             # groups a token may route into
     routed_scaling_factor: float = 1.0   # multiplies the routed experts' combined output
     norm_topk_prob: bool = True     # normalise the k selected weights to sum to 1
-    # how tokens reach experts: dense / ragged (experts on every device: references), ep_a2a (all_to_all
-    # over `ep`), ep_ragged (ragged_all_to_all, GPU/TPU only)
-    dispatch: Literal["dense", "ragged", "ep_a2a", "ep_ragged"] = "ragged"
+    # how tokens reach experts: dense / ragged / gather / blocked (experts on every device), ep_a2a
+    # (all_to_all over `ep`), ep_ragged (ragged_all_to_all, GPU/TPU only)
+    dispatch: Literal["dense", "ragged", "gather", "blocked", "ep_a2a", "ep_ragged"] = "ragged"
     # ep_a2a / ep_ragged exchange buffers per device, as a multiple of its expected expert assignments
     # (local tokens x k); copies beyond them are dropped and counted. 0 = dropless (worst-case buffers:
     # ep x tokens x min(k, experts per device) rows, 48x the assignments at Kimi K2.5 scale)

@@ -92,6 +92,31 @@ def test_comparison_ratios_follow_the_measurements(quick):
     assert m["max_rel_error_vs_optax"] < 1e-3
 
 
+@pytest.mark.slow
+def test_decode_peer_rows_follow_the_measurements(quick):
+    """Both engines decode the same checkpoint to the same greedy tokens; ratios, roofline and the
+    dispatch choice follow from the recorded measurements."""
+    from composer_jax.model.dispatch import BACKENDS, inference_backend
+
+    r = quick["decode_peer"]
+    _positive(r["copy_bandwidth_bytes_per_s"], r["sizes"]["tiny"]["weight_bytes"])
+    rows = r["sizes"]["tiny"]["rows"]
+    assert [row["batch"] for row in rows] == [1, 8]
+    for row in rows:
+        _positive(row["ours_tokens_per_s"], row["transformers_tokens_per_s"], row["ours_decode_tokens_per_s"],
+                  row["transformers_decode_tokens_per_s"], row["roofline_tokens_per_s"])
+        _close(row["ratio"], row["ours_tokens_per_s"] / row["transformers_tokens_per_s"], rel=2e-3)
+        b = row["step_bytes"]
+        assert b["weights"] + b["cache"] == pytest.approx(b["total"], abs=2) and b["total"] < b["all_weights"]
+        _close(row["roofline_tokens_per_s"], row["batch"] * r["copy_bandwidth_bytes_per_s"] / b["total"], rel=1e-3)
+        _close(row["ours_roofline_fraction"], row["ours_decode_tokens_per_s"] / row["roofline_tokens_per_s"], rel=1e-2)
+        assert row["same_greedy_rows"] == 1.0
+        d = row["dispatch"]
+        assert set(d["median_ms"]) == set(BACKENDS) and d["fastest"] == min(d["median_ms"], key=d["median_ms"].get)
+        assert d["chosen"] == inference_backend("cpu", row["batch"], 4, 16, "ragged")
+    assert rows[1]["step_bytes"]["weights"] > rows[0]["step_bytes"]["weights"]   # 8 rows touch more experts
+
+
 def test_unrolled_flops_count_every_iteration():
     """XLA's cost analysis counts a loop body once; unrolled, a scan of L matmuls and a map over rows
     count 2 n^3 L + the map's matmuls, the closed form."""

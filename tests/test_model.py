@@ -89,7 +89,8 @@ def test_yarn_at_full_k25_size():
     assert rope.softmax_scale(tiny.mla, tiny.rope) == pytest.approx(24 ** -0.5 * (0.1 * math.log(4) + 1) ** 2)
 
 
-def test_ragged_dispatch_equals_dense_values_and_grads():
+@pytest.mark.parametrize("backend", ["ragged", "gather", "blocked"])
+def test_dispatch_equals_dense_values_and_grads(backend):
     rng = np.random.default_rng(1)
     e, d, f, t, k = 8, 12, 10, 40, 3
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
@@ -101,7 +102,8 @@ def test_ragged_dispatch_equals_dense_values_and_grads():
     def loss(backend, x, weights, w):
         return jnp.sum(jnp.sin(backend(x, weights, idx, w)))
 
-    for i, (a, b) in enumerate(zip(jax.value_and_grad(lambda *a: loss(dispatch.ragged, *a), (0, 1, 2))(x, weights, w),
+    tested = jax.value_and_grad(lambda *a: loss(dispatch.BACKENDS[backend], *a), (0, 1, 2))(x, weights, w)
+    for i, (a, b) in enumerate(zip(tested,
                                    jax.value_and_grad(lambda *a: loss(dispatch.dense, *a), (0, 1, 2))(x, weights, w))):
         for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(la, lb, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")

@@ -240,7 +240,7 @@ def _run_generate(args) -> int:
     from composer_jax.data.chat import format_for, get_chat_format
     from composer_jax.infer import Engine, GenerationError, SamplingParams
     from composer_jax.infer.config import GenerateConfig
-    from composer_jax.infer.generate import default_max_len, request_seeds
+    from composer_jax.infer.generate import default_max_len, default_slots, free_memory_bytes, request_seeds
     from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]
@@ -266,8 +266,9 @@ def _run_generate(args) -> int:
         detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
         if stops and detokenize is None:
             raise ValueError(f"stop strings need a tokenizer, and {args.model} has none")
-        engine = Engine(model, max_slots=gen.max_slots, steps_per_call=gen.steps_per_call,
-                        max_len=gen.max_len or default_max_len(model.cfg, [p for _, p in prompts], gen.max_new_tokens),
+        max_len = gen.max_len or default_max_len(model.cfg, [p for _, p in prompts], gen.max_new_tokens)
+        slots = gen.max_slots or default_slots(model.cfg, len(prompts), max_len, gen.speculative, free_memory_bytes())
+        engine = Engine(model, max_slots=slots, steps_per_call=gen.steps_per_call, max_len=max_len,
                         speculative=gen.speculative, eos_ids=opened.eos_ids, detokenize=detokenize)
         ids = {}
         for (where, tokens), seed in zip(prompts, request_seeds(gen.seed, len(prompts))):

@@ -16,19 +16,20 @@ class GenerateConfig:
     seed: int = 0                   # request i uses seed + i
     speculative: bool = False       # MTP speculative decoding
     stop: str = ""                  # a stop string ("" : none); --chat adds the template's end marker
-    max_slots: int = 8              # requests decoded at once
+    max_slots: int = 0              # requests decoded at once; 0: every prompt, as memory allows
     max_len: int = 0                # cache positions per slot; 0: the longest prompt + max_new_tokens
     steps_per_call: int = 8         # decode steps per engine call (and per streamed chunk)
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "max_slots", "steps_per_call"):
+        for name in ("max_new_tokens", "steps_per_call"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError("temperature", f"must be >= 0 (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0 or self.max_len < 0:
-            raise ConfigError("top_k" if self.top_k < 0 else "max_len", "must be >= 0")
+        for name in ("top_k", "max_len", "max_slots"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")

@@ -7,10 +7,12 @@ slot that is generating, so new requests join while others keep decoding. A fini
 or kept (`keep=True`) so that a follow-up request (`continue_from`) prefills only its new tokens after
 the kept history: an agent's next turn after a tool's output.
 
-Shapes are fixed by (max_slots, max_len, chunk width, steps_per_call): any stream of requests compiles
-one decode program and at most one prefill program per chunk width; each compilation is logged and
-listed in `compiled`. `update_weights(weights, version)` swaps parameters of the same shapes in place,
-without retracing; every token records the version that produced it.
+Shapes are fixed by (max_slots, max_len, chunk width, steps_per_call) and the cache positions a call
+attends to (`attend_length`: the filled part rounded up to 64 x 2^i, never all of a long cache): any
+stream of requests compiles at most one decode program per attended length and one prefill program
+per chunk width and attended length; each compilation is logged and listed in `compiled`.
+`update_weights(weights, version)` swaps parameters of the same shapes in place, without retracing;
+every token records the version that produced it.
 
 Under a DualMesh (`model.mesh`), the engine places the model with the inference layout
 (`DualMesh.for_inference()`: replicated dense weights, experts on ep) and splits the slots over the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +38,7 @@ from composer_jax.infer import programs
 from composer_jax.infer.cache import cache_shapes
 from composer_jax.infer.programs import Slots
 from composer_jax.infer.sampling import SamplingParams, SlotSampling
+from composer_jax.model.decoder import unstack_layers
 from composer_jax.parallel import shard_model
 from composer_jax.parallel.partitioning import inference_batch_sharding
 from composer_jax.tree_paths import path_str
@@ -42,6 +46,26 @@ from composer_jax.tree_paths import path_str
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNKS = (16, 64, 256)
+ATTEND_ROUNDING = 64  # programs attend to a power-of-two multiple of this many cache positions
+
+
+def attend_length(longest: int, max_len: int) -> int:
+    """Cache positions a program attends to when no slot it serves grows past `longest`: the smallest
+    ATTEND_ROUNDING x 2^i that holds it, at most max_len (few programs, never all of a long cache);
+    0 for 0 (prompts that start)."""
+    if longest == 0:
+        return 0
+    bucket = ATTEND_ROUNDING
+    while bucket < longest:
+        bucket *= 2
+    return min(bucket, max_len)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _zeros(shapes):
+    """Zero arrays of `shapes` (ShapeDtypeStructs): one program per cache shape, shared by every engine
+    of it (a fresh `generate` call compiles nothing here)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class GenerationError(ValueError):
@@ -111,11 +135,12 @@ class Engine:
         self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
         self.graphdef, self.state = self._place(model)
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
+        self._program_state = self._for_programs(self.state)
         shapes = cache_shapes(cfg, max_slots, max_len, speculative)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
         with self._traced_on():
-            self.cache = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                                 out_shardings=out)()
+            self.cache = _zeros(shapes) if out is None else jax.jit(lambda: _zeros.__wrapped__(shapes),
+                                                                     out_shardings=out)()
         self.slots: list[_Slot | None] = [None] * max_slots
         self.queue: collections.deque = collections.deque()
         self.kept: dict[int, int] = {}          # request id -> its kept slot
@@ -133,6 +158,12 @@ class Engine:
             return graphdef, state
         twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
         return nnx.split(twin)
+
+    def _for_programs(self, state):
+        """The parameters the programs take: on one CPU device the layer stacks split into per-layer
+        arrays (`unstack_layers`; a copy next to `state`, which keeps the model's layout for
+        `place_weights` and weight exchange), else `state` itself."""
+        return unstack_layers(state) if self.dual is None and jax.default_backend() == "cpu" else state
 
     def _traced_on(self):
         """The context the programs trace in: the dense mesh as JAX's context mesh (Explicit axes)."""
@@ -222,6 +253,7 @@ class Engine:
         """Swap in new parameters (a CausalLM or its nnx.State, any placement) of the same structure,
         shapes and dtypes; the compiled programs are reused. Tokens produced from now on record `version`."""
         self.state = self.place_weights(weights)
+        self._program_state = self._for_programs(self.state)
         self.version = version
 
     def place_weights(self, weights) -> nnx.State:
@@ -250,7 +282,8 @@ class Engine:
             out = program(*args)
         if sum(programs.TRACES.values()) > before:
             self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
-            shape = f"chunk={args[4].shape[1]}" if name == "prefill" else f"steps={self.steps}"
+            shape = f"chunk={args[4].shape[1]} attend={args[9]}" if name == "prefill" else \
+                f"steps={self.steps} attend={args[5]}"
             what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
             self.compiled.append(what)
             log.info("compiled %s in %.1f s (%d programs)", what, time.perf_counter() - start, len(self.compiled))
@@ -315,7 +348,8 @@ class Engine:
         if not reading:
             return
         need = max(len(self.slots[i].todo) for i in reading)
-        width = next((c for c in self.chunks if c >= need), self.chunks[-1])
+        # The widest chunk the longest prompt fills (rest in narrower chunks), not a wider one it pads.
+        width = max((c for c in self.chunks if c <= need), default=self.chunks[0])
         n = self.max_slots
         tokens, n_valid = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
         lookahead, finishing = np.zeros(n, np.int32), np.zeros(n, bool)
@@ -326,11 +360,13 @@ class Engine:
             tokens[i, :len(take)], n_valid[i] = take, len(take)
             finishing[i] = len(todo) <= width
             lookahead[i] = todo[width] if not finishing[i] else 0
-        start = time.perf_counter()
+        start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
-        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self.state, self.cache, *args)
+        attend = attend_length(max(self.slots[i].cached for i in reading), self.max_len)
+        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self._program_state, self.cache, *args,
+                                       attend)
         first = jax.device_get(first)
-        self.stats["prefill_s"] += time.perf_counter() - start
+        self.stats["prefill_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["prefill_tokens"] += int(n_valid.sum())
         for i in reading:
             slot = self.slots[i]
@@ -354,11 +390,13 @@ class Engine:
         slots = Slots(np.array(live(lambda s: s.cached, 0), np.int32), np.array(live(lambda s: s.history[-1], 0), np.int32),
                       np.array(live(lambda s: True, False)), np.array(live(lambda s: s.budget, 0), np.int32),
                       stop_ids, self._sampling())
-        start = time.perf_counter()
-        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self.state, self.cache,
-                                                    self._put(slots), self.steps)
+        per_step = 2 if self.speculative else 1
+        attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps, self.max_len)
+        start, compiling = time.perf_counter(), self.stats["compile_s"]
+        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self._program_state, self.cache,
+                                                    self._put(slots), self.steps, attend)
         emitted, active = jax.device_get((emitted, out_slots.active))
-        self.stats["decode_s"] += time.perf_counter() - start
+        self.stats["decode_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["drafted"] += int(emitted.drafted.sum())
         self.stats["accepted"] += int(emitted.accepted.sum())
         self.stats["decode_steps"] += int((emitted.count.sum(axis=1) > 0).sum())

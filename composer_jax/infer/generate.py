@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
+import jax
+
+from composer_jax.infer.cache import cache_shapes
 from composer_jax.infer.engine import DEFAULT_CHUNKS, Engine, GenerationError
 from composer_jax.infer.sampling import SamplingParams
 
 CACHE_ROUNDING = 64  # cache lengths are rounded up to a multiple of this, so calls share compiled programs
+SLOT_ROUNDING = 16   # slot counts: powers of two up to this, then multiples of it (calls share programs)
+CACHE_MEMORY_SHARE = 0.5  # of the free memory the default engine's cache may take
 
 
 @dataclasses.dataclass
 class GenerateResult:
     """Per prompt (in order): the new ids up to and including a stop token, their raw log-probs, their
     log-probs under the sampling distribution and why each stopped; plus the run's statistics: new
-    tokens per second of wall time (compilation excluded), the programs compiled, and the speculative
+    tokens per second of wall time (compilation excluded), tokens of decode calls per second of their
+    time (the first token of each prompt comes from its prefill), the programs compiled, and the speculative
     acceptance rate and mean accepted length (None without speculative decoding)."""
 
     tokens: list[list[int]]
@@ -24,6 +32,7 @@ class GenerateResult:
     behaviour_logprobs: list[list[float]]
     finish_reasons: list[str]
     tokens_per_second: float
+    decode_tokens_per_second: float
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     compiled: list[str] = dataclasses.field(default_factory=list)
@@ -38,6 +47,28 @@ def default_max_len(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) 
         raise GenerationError(f"a prompt of {longest} tokens does not fit the model's {limit} positions "
                               "(rope.max_position_embeddings)")
     return min(limit, -(-(longest + max_new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING)
+
+
+def free_memory_bytes() -> int:
+    """Memory the default device may still allocate: XLA's limit less its use, or on CPU the host's
+    available memory."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def default_slots(cfg, prompts: int, max_len: int, speculative: bool, free_bytes: int) -> int:
+    """Slots for `prompts` requests: the count rounded up to a power of two up to SLOT_ROUNDING and to a
+    multiple of it beyond, at most what CACHE_MEMORY_SHARE of `free_bytes` holds (extra requests
+    queue for a free slot)."""
+    if prompts <= SLOT_ROUNDING:
+        bucket = 1 << (prompts - 1).bit_length()
+    else:
+        bucket = -(-prompts // SLOT_ROUNDING) * SLOT_ROUNDING
+    shapes = jax.tree.leaves(cache_shapes(cfg, 1, max_len, speculative))
+    per_slot = sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
+    return max(1, min(bucket, int(CACHE_MEMORY_SHARE * free_bytes) // per_slot))
 
 
 def request_seeds(seed: int | Sequence[int], count: int) -> list[int]:
@@ -59,8 +90,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     temperature 0 is greedy. seed: one int (request i uses seed + i) or one per prompt; a request's
     tokens depend only on its own seed, prompt and settings. stop_tokens None: the model's EOS ids
     (`model.eos_token_ids`, read from the checkpoint), if any. speculative: MTP speculative decoding
-    (same greedy output, same sampling distribution). max_slots (default: up to 16 prompts at once),
-    max_len (default: the longest prompt plus max_new_tokens, rounded up) size the engine.
+    (same greedy output, same sampling distribution). max_slots (default: every prompt at once, rounded
+    up to share programs, as far as memory allows: `default_slots`), max_len (default: the longest
+    prompt plus max_new_tokens, rounded up) size the engine.
     """
     prompts = [list(p) for p in prompts]
     if not prompts:
@@ -69,8 +101,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
         if not p:
             raise GenerationError(f"prompt {i} is empty")
     seeds = request_seeds(seed, len(prompts))
-    engine = Engine(model, max_slots=max_slots or min(len(prompts), 16),
-                    max_len=max_len or default_max_len(model.cfg, prompts, max_new_tokens),
+    max_len = max_len or default_max_len(model.cfg, prompts, max_new_tokens)
+    slots = max_slots or default_slots(model.cfg, len(prompts), max_len, speculative, free_memory_bytes())
+    engine = Engine(model, max_slots=slots, max_len=max_len,
                     chunk_sizes=chunk_sizes, steps_per_call=steps_per_call, speculative=speculative,
                     eos_ids=getattr(model, "eos_token_ids", ()), detokenize=detokenize)
     ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, stop_strings=stop_strings,
@@ -84,4 +117,5 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     return GenerateResult([c.tokens for c in outs], [c.logprobs for c in outs], [c.behaviour_logprobs for c in outs],
                           [c.finish_reason for c in outs],
                           sum(len(c.tokens) for c in outs) / max(wall - engine.stats["compile_s"], 1e-9),
+                          engine.stats["decode_tokens"] / max(engine.stats["decode_s"], 1e-9),
                           stats.get("acceptance_rate"), stats.get("mean_accepted_length"), list(engine.compiled))

@@ -8,6 +8,7 @@ as Muon batches.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig
@@ -64,6 +65,18 @@ def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:
     return stack
 
 
+STACKS = ("dense_layers", "moe_layers")   # the model's scanned layer stacks
+
+
+def unstack_layers(state: nnx.State) -> nnx.State:
+    """The model's state with each layer stack's parameters split into a tuple of per-layer arrays
+    (separate buffers), which `scan_stack` runs one layer after another. For inference: a scan slices
+    every layer's weights out of the stack, and XLA:CPU copies each slice (a weight-bound decode step
+    read its experts 5x slower that way)."""
+    return nnx.from_flat_state([(p, v.replace(tuple(v.get_value())) if p[0] in STACKS else v)
+                                for p, v in nnx.to_flat_state(state)])
+
+
 def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, remat: str = "none", **kwargs):
     """Run `layer(carry, *args, **per_layer[i], **kwargs) -> (carry, out)` over a stacked module.
 
@@ -75,6 +88,14 @@ def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, r
     if remat != "none" and remat not in REMAT_POLICIES:
         raise ValueError(f"remat={remat!r}: expected 'none' or one of {', '.join(REMAT_POLICIES)}")
     graphdef, state = nnx.split(stack)
+    flat = list(nnx.to_flat_state(state))
+    if flat and isinstance(flat[0][1].get_value(), tuple):   # `unstack_layers`: one layer after another
+        outs = []
+        for i in range(len(flat[0][1].get_value())):
+            layer = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in flat]))
+            carry, out = layer(carry, *args, **jax.tree.map(lambda a: a[i], per_layer or {}), **kwargs)
+            outs.append(out)
+        return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
     def body(carry, scanned):
         layer_state, sliced = scanned
