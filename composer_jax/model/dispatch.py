@@ -31,10 +31,7 @@ class ExpertWeights(NamedTuple):
 def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
     num_experts = w.gate.shape[0]
     combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, num_experts, dtype=weights.dtype))
-    # The tokens broadcast over the expert axis make every matmul a batched one over the weights as
-    # stored: "td,edf" would transpose all expert weights first (13x slower on CPU at decode shapes).
-    xe = jnp.broadcast_to(x, (num_experts, *x.shape))
-    h = jax.nn.silu(jnp.einsum("etd,edf->etf", xe, w.gate)) * jnp.einsum("etd,edf->etf", xe, w.up)
+    h = jax.nn.silu(jnp.einsum("td,edf->etf", x, w.gate)) * jnp.einsum("td,edf->etf", x, w.up)
     out = jnp.einsum("etf,efd->etd", h, w.down)
     return jnp.einsum("te,etd->td", combine, out.astype(jnp.float32)).astype(x.dtype)
 
@@ -112,8 +109,8 @@ def inference_backend(platform: str, tokens: int, k: int, experts: int, configur
     `gather` while the assignments touch fewer expert matrices than there are experts (it reads only
     those); else `dense` while its rows (every expert on every token) are at most twice `blocked`'s
     (the assignments plus each expert's last partial block), whose sorting costs about that much
-    (16 experts, top-4: dense up to 8 tokens, blocked 1.6x faster at 32 tokens, 2.2x at 128, 2.8x at
-    2048; `ragged` was 1.5-5x slower than dense). Elsewhere the model's own (`configured`) backend."""
+    (16 experts, top-4, with a batched dense, see docs/inference.md: dense up to 8 tokens, blocked
+    1.6x faster at 32 tokens, 2.2x at 128, 2.8x at 2048; `ragged` was 1.5-5x slower than dense). Elsewhere the model's own (`configured`) backend."""
     if platform != "cpu":
         return configured
     if tokens * k < experts:
