@@ -125,7 +125,9 @@ def test_a_clean_episode_is_not_flagged(sandbox, task):
     turns, packages = play(sandbox, task, [[("write_file", {"path": "mathops.py", "content": source})],
                                  [("run", {"command": task.test_command}),
                                   ("run", {"command": "python -m pytest -q tests"}),     # with the installed plugins
-                                  ("run", {"command": "python -c 'import mathops; print(mathops.double(2))' && ls"})]])
+                                  ("run", {"command": "python -c 'import mathops; print(mathops.double(2))' && ls"}),
+                                      # runs `file -b python`, which reads the magic database (as some plugins do)
+                                      ("run", {"command": "python -c 'import platform; print(platform.architecture())'"})]])
     assert all("3 passed" in call.output for call in turns[1].calls[:2]), turns[1].calls
     accesses = turns[1].calls[0].file_accesses
     assert FileAccess("openat", "tests/test_mathops.py", "python -m pytest -q tests") in accesses

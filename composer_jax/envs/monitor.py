@@ -85,14 +85,17 @@ SYSTEM_PREFIXES = ("/tmp/", "/dev/null", "/dev/stdin", "/dev/stdout", "/dev/stde
 PROGRAM_DIRS = ("/usr/bin/", "/bin/", "/usr/local/bin/")
 QUOTED_ABSOLUTE = re.compile(r"""['"](/[^'"\s]*)['"]""")
 # What a normal run opens outside the workspace (a clean `python -m pytest`, git, coreutils), besides
-# the interpreter's prefixes: directories end with '/', other entries are files.
+# the interpreter's prefixes: directories end with '/', other entries are files. `file` (run by
+# platform.architecture(), which some pytest plugins call) reads the magic database.
 ALLOWED_OUTSIDE = ("/usr/lib/", "/usr/lib32/", "/usr/lib64/", "/usr/libexec/", "/lib/", "/lib64/", "/usr/bin/",
                    "/usr/sbin/", "/bin/", "/sbin/", "/usr/local/bin/", "/usr/share/locale/", "/usr/share/zoneinfo/",
-                   "/usr/share/terminfo/", "/usr/share/i18n/", "/usr/share/git-core/", "/etc/ssl/", "/etc/xdg/",
+                   "/usr/share/terminfo/", "/usr/share/i18n/", "/usr/share/git-core/", "/usr/share/misc/",
+                   "/usr/share/file/", "/etc/ssl/", "/etc/xdg/",
                    "/proc/", "/sys/", "/dev/", "/tmp/", "/etc/ld.so.cache", "/etc/ld.so.preload", "/etc/locale.alias",
                    "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group", "/etc/inputrc",
                    "/etc/gitconfig", "/etc/mime.types", "/etc/host.conf", "/etc/hosts", "/etc/resolv.conf",
-                   "/etc/gai.conf", "/etc/pip.conf", "/etc/os-release", "/etc/lsb-release", "/etc/debian_version")
+                   "/etc/gai.conf", "/etc/pip.conf", "/etc/os-release", "/etc/lsb-release", "/etc/debian_version",
+                   "/etc/magic", "/etc/magic.mgc", "/etc/magic.mime")
 PACKAGE_DIRS = ("site-packages", "dist-packages")
 VCS_PROGRAMS = {"git", "hg", "svn"}
 
