@@ -165,7 +165,7 @@ def _load_rl(args):
 
 def _run_rl(args) -> int:
     cfg = _load_rl(args)
-    from composer_jax.rl.exchange import ExchangeError
+    from composer_jax.rl.exchange.directory import ExchangeError
     from composer_jax.rl.loop import train_rl
     from composer_jax.train.lifecycle import interrupted_line
 
@@ -210,8 +210,8 @@ def _add_rl(sub) -> None:
 
 def _run_rl_engine(args) -> int:
     cfg = _load_rl(args)
-    from composer_jax.rl.exchange import ExchangeError
-    from composer_jax.rl.remote_engine import serve
+    from composer_jax.rl.exchange.directory import ExchangeError
+    from composer_jax.rl.exchange.engine_process import serve
 
     try:
         s = serve(cfg, engine=args.engine)

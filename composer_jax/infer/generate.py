@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from composer_jax.config import MeshConfig, ModelConfig
 from composer_jax.infer.cache import cache_shapes
 from composer_jax.infer.engine import DEFAULT_CHUNKS, Engine, GenerationError
 from composer_jax.infer.sampling import SamplingParams
+from composer_jax.parallel import DualMesh
 
 CACHE_ROUNDING = 64  # cache lengths are rounded up to a multiple of this, so calls share compiled programs
 SLOT_ROUNDING = 16   # slot counts: powers of two up to this, then multiples of it (calls share programs)
@@ -36,6 +38,13 @@ class GenerateResult:
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     compiled: list[str] = dataclasses.field(default_factory=list)
+
+
+def engine_grids(model: ModelConfig, devices: Sequence) -> DualMesh:
+    """The dual grid an engine on devices of its own decodes on: the default MeshConfig (fsdp and ep fill
+    `devices`), checked against `model`; the engine takes it with the inference placement
+    (`DualMesh.for_inference`)."""
+    return DualMesh(MeshConfig(), devices, model=model)
 
 
 def default_max_len(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
