@@ -84,7 +84,7 @@ def write_batch(path: Path, produced: ProducedBatch) -> None:
 def read_batch(path: Path) -> ProducedBatch:
     arrays, meta = unpack(path)
     batch = RolloutBatch(**dict(zip(meta["fields"], arrays)))
+    reports = [(key, Report(tuple(Finding(**f) for f in findings))) for key, findings in meta["reports"]]
     return ProducedBatch(meta["index"], batch, meta["draws"], [Prompt(*p) for p in meta["trained"]],
-                         meta["feedback_only"], arrays[-1], meta["metrics"], [(key, Report(tuple(Finding(**f) for f in findings)))
-                                           for key, findings in meta["reports"]],
+                         meta["feedback_only"], arrays[-1], meta["metrics"], reports,
                          meta["sampler_state"], meta["group_counts"], tuple(meta["busy"]))
