@@ -184,54 +184,6 @@ def _add_export(sub) -> None:
 # generate
 
 
-def _generate_prompts(args, tokenizer, fmt) -> list[tuple[str, list[int]]]:
-    """(where it came from, token ids) per prompt, from --prompt or a --prompts JSONL file; --chat renders
-    them in the model's chat format `fmt` (composer_jax.data.chat)."""
-    from composer_jax.data.chat import render
-
-    def encode(text: str, where: str) -> list[int]:
-        if tokenizer is None:
-            raise ValueError(f"{where}: text prompts need a tokenizer, and {args.model} has none (tokenizer.json / "
-                             "tiktoken.model): give token ids ({\"tokens\": [...]} lines in --prompts)")
-        return [int(i) for i in tokenizer.encode(text)]
-
-    def chat(messages, where: str) -> list[int]:
-        return encode("".join(piece for piece, _ in render(messages, fmt, generation_prompt=True)), where)
-
-    if args.prompt is not None:
-        where = "--prompt"
-        return [(where, chat([{"role": "user", "content": args.prompt}], where) if args.chat
-                 else encode(args.prompt, where))]
-    out = []
-    with open(args.prompts, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{args.prompts} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected an object with 'prompt', 'tokens' or 'messages'")
-            if "tokens" in record:
-                tokens = record["tokens"]
-                if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-                    raise ValueError(f"{where}: 'tokens' must be a list of ints")
-                out.append((where, tokens))
-            elif "messages" in record:
-                out.append((where, chat(record["messages"], where)))
-            elif isinstance(record.get("prompt"), str):
-                text = record["prompt"]
-                ids = chat([{"role": "user", "content": text}], where) if args.chat else encode(text, where)
-                out.append((where, ids))
-            else:
-                raise ValueError(f"{where}: expected a string 'prompt', a 'tokens' list or 'messages'")
-    if not out:
-        raise ValueError(f"{args.prompts}: no prompts")
-    return out
-
-
 def _open_generation(args):
     """(the opened model, its Generation of the prompts): settings checked before the model loads; a run's
     recorded sampling is the default; --chat renders prompts in the model's chat format and stops at its
@@ -240,6 +192,7 @@ def _open_generation(args):
 
     from composer_jax.config import ModelConfig, apply_overrides
     from composer_jax.data.chat import format_for, get_chat_format
+    from composer_jax.data.prompts import prompt_ids
     from composer_jax.infer.config import load_generate_config
     from composer_jax.infer.stream import Generation
     from composer_jax.source_weights import open_model
@@ -252,7 +205,8 @@ def _open_generation(args):
     gen = load_generate_config(gen_overrides, opened.chat.agent)
     tokenizer = opened.tokenizer
     fmt = get_chat_format(format_for(tokenizer, opened.chat.format)) if tokenizer is not None else None
-    prompts = _generate_prompts(args, tokenizer, fmt)
+    prompts = prompt_ids(prompt=args.prompt, path=args.prompts, tokenizer=tokenizer, fmt=fmt, chat=args.chat,
+                         model=args.model)
     stops = tuple(s for s in (gen.stop, fmt.end_of_turn if args.chat and fmt else "") if s)
     return opened, Generation(opened.model, prompts, gen, tokenizer=tokenizer, eos_ids=opened.eos_ids,
                               stop_strings=stops, devices=jax.devices()[:args.devices] if args.devices > 1 else None)
