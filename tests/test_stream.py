@@ -1,6 +1,8 @@
 """Streamed generation (`infer.stream`): text pieces, UTF-8 safe across token boundaries, that join to the
 decoded completion."""
 
+import jax
+
 from composer_jax.config import load_config
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.infer.config import GenerateConfig
@@ -32,7 +34,7 @@ def test_a_character_split_across_tokens_comes_out_whole():
 def test_generation_streams_the_text_of_its_completion():
     """The tiny model with random weights (a byte-level vocabulary, so it samples bytes that split
     characters or are invalid) streamed one token per step: the pieces join to tokenizer.decode of the
-    generated ids, and the records and stats of a second run agree with it."""
+    generated ids; a second run, its records on the engine grids of 2 devices, generates the same."""
     cfg = load_config("tiny")
     model, tokenizer = random_model(cfg, seed=1), ByteTokenizer()
     prompt = [("--prompt", [int(i) for i in tokenizer.encode(TEXT)])]
@@ -43,7 +45,9 @@ def test_generation_streams_the_text_of_its_completion():
     assert len(completion.tokens) == 24 and "".join(pieces) == tokenizer.decode(completion.tokens)
     # One token per step, so a character of several bytes in the text was split across tokens (and steps).
     assert any(ord(c) >= 0x80 and c != "\ufffd" for c in "".join(pieces))
-    (record,) = Generation(model, prompt, gen, tokenizer=tokenizer).records()
+    on_grids = Generation(model, prompt, gen, tokenizer=tokenizer, devices=jax.devices()[:2])
+    (record,) = on_grids.records()
+    assert on_grids.engine.dual.dense.devices.size == 2 and on_grids.engine.dual.inference
     assert record["tokens"] == completion.tokens and record["text"] == "".join(pieces)
     assert record["source"] == "--prompt" and record["finish_reason"] == "length"
     stats = streaming.stats()
