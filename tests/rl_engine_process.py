@@ -1,5 +1,5 @@
-"""The rollout engine process of tests/test_rl_remote.py: `rl.remote_engine.serve` on the parity tasks
-(tests/rl_parity.py), the run config `rl-tiny` with the overrides given; prints its summary as JSON.
+"""The rollout engine process of tests/test_rl_remote.py: `rl.exchange.engine_process.serve` on the parity
+tasks (tests/rl_parity.py), the run config `rl-tiny` with the overrides given; prints its summary as JSON.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.rl_engine_process [--engine K] key=value ...
 """
@@ -16,7 +16,7 @@ if __name__ == "__main__":
     cfg = load_rl_config("rl-tiny", args[2:] if args[:1] == ["--engine"] else args)
     use_cpu_devices(cfg.cpu_devices)       # a device count in XLA_FLAGS wins
 
-    from composer_jax.rl.remote_engine import serve
+    from composer_jax.rl.exchange.engine_process import serve
     from tests.rl_parity import parity_tasks
 
     print(json.dumps(serve(cfg, parity_tasks(), engine=engine)), flush=True)

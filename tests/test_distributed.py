@@ -284,7 +284,7 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     from flax import nnx
 
     from composer_jax.source_weights import open_model
-    from composer_jax.rl.exchange import read_weights
+    from composer_jax.rl.exchange.npz import read_weights
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
 

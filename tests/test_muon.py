@@ -17,7 +17,7 @@ from composer_jax import CausalLM, load_config
 from composer_jax.model.layers import RMSNorm, RouterBias, param
 from composer_jax.optim import dimension_numbers, muon
 from composer_jax.optim.newton_schulz import ns_flops
-from composer_jax.optim.plan import pure
+from composer_jax.optim.param_labels import pure
 
 # name: (shape, dimension numbers, dense-grid spec or expert-grid spec)
 LEAVES = {
@@ -250,8 +250,8 @@ def test_split_remainders_keep_ns_flops_per_device_near_total_over_devices():
     """Three 128 x 256 matrices and 35 64 x 128 ones on 8 devices: whole-matrix layers would cost each
     device one 128 x 256 NS plus five 64 x 128 ones (1.76x the even share); the plan splits the
     remainders into column blocks. Compiled F(6 steps) - F(1 step) equals the plan's count
-    (`exchange_plan.ns_flops_per_device`), within 1.1x of total / 8."""
-    from composer_jax.optim.exchange_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
+    (`orthogonalize_plan.ns_flops_per_device`), within 1.1x of total / 8."""
+    from composer_jax.optim.orthogonalize_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
 
     meshes = _meshes()
     leaves = {"mlp": ((3, 128, 256), MDN((1,), (2,)), meshes["dense"], P(None, "fsdp", None)),

@@ -149,7 +149,7 @@ def test_layers_of_a_few_matrices_run_split_and_equal_whole_newton_schulz():
     a two-axis mesh, with a width that the devices do not divide (zero-padded) and a group with one
     full layer plus a split remainder."""
     from composer_jax.optim import newton_schulz as ns_lib
-    from composer_jax.optim.exchange_plan import leaf_info, plan_groups
+    from composer_jax.optim.orthogonalize_plan import leaf_info, plan_groups
     from composer_jax.optim.layout import SplitNS
 
     dense = _mesh((8,), ("fsdp",))

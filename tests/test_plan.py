@@ -19,13 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax.cli import main
 from composer_jax.config import MeshConfig, load_config
-from composer_jax.optim.exchange_plan import (
-    leaf_info,
-    matrix_view,
-    ns_flops_per_device,
-    plan_groups,
-)
-from composer_jax.optim.plan import make_plan, pure
+from composer_jax.optim.orthogonalize_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
+from composer_jax.optim.param_labels import make_plan, pure
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.mesh import BATCH_AXES, resolve_sizes
 from composer_jax.plan.memory import plan_train
@@ -145,7 +140,7 @@ def test_rl_plan_matches_compiled_memory():
     assert plan.total == pytest.approx(compiled, rel=0.15)
 
 
-def test_muon_share_is_the_exchange_plan_of_placed_parameters():
+def test_muon_share_is_the_orthogonalize_plan_of_placed_parameters():
     """`ns_share` plans from leaf descriptions on abstract meshes; it equals the plan of the tiny model's
     Muon matrices placed on the 8-device dual grid, and stays within 1.1x of total / devices."""
     cfg = load_config("tiny")

@@ -1,4 +1,4 @@
-"""The rollout engine in a separate process (rollout.transport=directory, rl/exchange.py): weight
+"""The rollout engine in a separate process (rollout.transport=directory, rl/exchange/): weight
 snapshots and batch files round-trip exactly, a half-written file is never read; an engine process
 (its own JAX runtime and devices) takes the learner's weight versions and its batches train the
 learner within the staleness bound, and a resumed learner hands it the checkpoint's sampler state;
@@ -25,15 +25,19 @@ from composer_jax.cpu_devices import without_device_count
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
 from composer_jax.parallel import DualMesh, shard_model
-from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
-from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
-                                      engine_settings, read_batch, read_weights, write_batch, write_weights)
+from composer_jax.rl.exchange import directory, heartbeat
+from composer_jax.rl.exchange.directory import ExchangeError
+from composer_jax.rl.exchange.engine_end import EngineExchange
+from composer_jax.rl.exchange.learner_end import LearnerExchange
+from composer_jax.rl.exchange.npz import read_batch, read_weights, write_batch, write_weights
+from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
+from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
+                                                       learner_shardings)
 from composer_jax.rl.loop import RLTrainer, engine_states
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler
-from composer_jax.rl.weight_transfer import WeightClient, WeightServer, describe_layout, learner_shardings
 from composer_jax.train.metrics import read_metrics
 from tests.rl_parity import parity_tasks
 from tests.test_rl_loop import TINY
@@ -110,7 +114,7 @@ def test_a_half_written_file_is_never_read(tmp_path, monkeypatch):
         raise OSError("killed before the rename")
 
     with monkeypatch.context() as patched:
-        patched.setattr(exchange_lib.os, "replace", crash)
+        patched.setattr(directory.os, "replace", crash)
         with pytest.raises(OSError, match="killed"):
             write_batch(target, _produced())
     assert not target.exists() and len(list(target.parent.iterdir())) == 1      # the temporary file only
@@ -143,8 +147,8 @@ def test_a_killed_engine_is_noticed_by_its_heartbeat(tmp_path, monkeypatch):
     """A heartbeat left by an engine from before (never seen changing) proves nothing: the learner waits
     the whole batch timeout. One seen beating that then stands still (the engine killed) stops the
     learner within the grace period, naming the engine's process, long before the timeout."""
-    monkeypatch.setattr(exchange_lib, "HEARTBEAT_GRACE_S", 0.5)
-    (tmp_path / exchange_lib.HEARTBEAT_FILE).write_text('{"beat": 7, "host": "old", "pid": 1}')
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_GRACE_S", 0.5)
+    (tmp_path / heartbeat.HEARTBEAT_FILE).write_text('{"beat": 7, "host": "old", "pid": 1}')
     learner = LearnerExchange(tmp_path, start_index=0, engine_states=[{}], timeout_s=2)
     learner.start()
     with pytest.raises(ExchangeError, match="^no batch 0 from the rollout engine"):
@@ -152,7 +156,7 @@ def test_a_killed_engine_is_noticed_by_its_heartbeat(tmp_path, monkeypatch):
 
     learner = LearnerExchange(tmp_path, start_index=0, engine_states=[{}], timeout_s=60)
     learner.start()
-    with exchange_lib.Heartbeat(tmp_path, every=0.05):
+    with heartbeat.Heartbeat(tmp_path, every=0.05):
         time.sleep(0.3)
         with pytest.raises(ExchangeError, match="no batch 0"):     # alive and beating: only the timeout ends this
             learner.timeout_s = 1
@@ -386,8 +390,8 @@ def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch
              "b": jax.device_put(values["b"], NamedSharding(learner_mesh, PartitionSpec()))}
 
     (tmp_path / "weights").mkdir()
-    client = WeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
-    server = WeightServer(tmp_path, wait=lambda path, what: None)
+    client = DeviceWeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
+    server = DeviceWeightServer(tmp_path, wait=lambda path, what: None)
     try:
         with jax.set_mesh(learner_mesh):          # as in the RL loop (`with dual:`): eager ops meet the context mesh
             server.offer(state, 0)

@@ -12,7 +12,7 @@ from flax import nnx
 
 from composer_jax import CausalLM, load_config
 from composer_jax.config import ConfigError
-from composer_jax.optim.plan import dimension_numbers, pure
+from composer_jax.optim.param_labels import dimension_numbers, pure
 from composer_jax.rl import RLConfig, RLStep, loss_and_grads, losses, synthetic_batch
 from composer_jax.rl.config import rl_optimizer
 from composer_jax.rl.objective import loss_terms, step_totals

@@ -14,16 +14,17 @@ if __name__ == "__main__":
     import jax
     from flax import nnx
 
-    from composer_jax.config import MeshConfig
+    from composer_jax.infer.generate import engine_grids
     from composer_jax.model import CausalLM
-    from composer_jax.parallel import DualMesh, shard_model
-    from composer_jax.rl.exchange import EngineExchange, write_weights
+    from composer_jax.parallel import shard_model
+    from composer_jax.rl.exchange.engine_end import EngineExchange
+    from composer_jax.rl.exchange.npz import write_weights
     from composer_jax.rl.run_config import load_rl_config
 
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     cfg = load_rl_config("rl-tiny", sys.argv[3:])
     model = CausalLM(cfg.model, rngs=nnx.Rngs(1))
-    shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
+    shard_model(model, engine_grids(cfg.model, jax.devices()))
     like = nnx.state(model)
     exchange = EngineExchange(root, EngineExchange.wait_session(root, 60), like, 60, "device")
     for min_version in (0, 1):

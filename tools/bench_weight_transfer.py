@@ -1,6 +1,6 @@
 """The RL learner's weight versions to a rollout engine in another process, both ways side by side in one
 run: `rollout.weight_transfer=file` (an .npz snapshot in the exchange directory) against `device` (JAX's
-transfer server, rl/weight_transfer.py).
+transfer server, rl/exchange/transport_device.py).
 
     PYTHONPATH=$PWD python tools/bench_weight_transfer.py [--mb 256] [--versions 5] [--json PATH]
 
@@ -44,7 +44,7 @@ def engine_main(root: str, mode: str, mb: int, versions: int) -> None:
     """The engine process: its layout is the same parameters sharded over its own 2 devices."""
     import jax
 
-    from composer_jax.rl.exchange import EngineExchange
+    from composer_jax.rl.exchange.engine_end import EngineExchange
 
     like = _state(mb, jax.devices(), 0)
     exchange = EngineExchange(root, EngineExchange.wait_session(root, 120), like, 120, mode)
@@ -58,7 +58,7 @@ def learner_side(mode: str, mb: int, versions: int) -> dict:
     import jax
 
     from composer_jax.cpu_devices import without_device_count
-    from composer_jax.rl.exchange import LearnerExchange
+    from composer_jax.rl.exchange.learner_end import LearnerExchange
 
     root = tempfile.mkdtemp(prefix=f"bench-weights-{mode}-")
     env = {**os.environ, "PYTHONPATH": str(ROOT),

@@ -39,8 +39,8 @@ def main(argv=None) -> int:
 
     if args.mock_gpu_topology:
         jax.config.update("jax_mock_gpu_topology", args.mock_gpu_topology)
-    from composer_jax.cli.plan import load_plan_config
     from composer_jax.plan.memory import plan_train
+    from composer_jax.plan.report import load_plan_config
     from composer_jax.train import step as step_lib
     from composer_jax.train.loop import make_mesh
 

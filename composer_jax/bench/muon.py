@@ -30,9 +30,9 @@ from optax.contrib import MuonDimensionNumbers as MDN
 
 from composer_jax.bench.timing import interleaved
 from composer_jax.optim import muon
-from composer_jax.optim.exchange_plan import describe_leaf, ns_flops_per_device, plan_groups
 from composer_jax.optim.layout import matrix_view
 from composer_jax.optim.newton_schulz import ns_flops
+from composer_jax.optim.orthogonalize_plan import describe_leaf, ns_flops_per_device, plan_groups
 
 # Logical axis -> mesh axis, one table per grid; the first matching dimension of a leaf takes the axis.
 DENSE_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}
@@ -130,7 +130,7 @@ def padded_ns_total(tree, steps, devices):
 
 def planned_ns_flops(tree, steps, chunks) -> int:
     """NS FLOPs per device that composer_jax's exchange plan assigns for `tree` on these meshes
-    (`exchange_plan.ns_flops_per_device`: split layers included; no compile)."""
+    (`orthogonalize_plan.ns_flops_per_device`: split layers included; no compile)."""
     grids = meshes(AxisType.Explicit)
     leaves = []
     for shape, axes, dims, grid in tree.values():

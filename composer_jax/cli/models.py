@@ -184,140 +184,64 @@ def _add_export(sub) -> None:
 # generate
 
 
-def _generate_prompts(args, tokenizer, fmt) -> list[tuple[str, list[int]]]:
-    """(where it came from, token ids) per prompt, from --prompt or a --prompts JSONL file; --chat renders
-    them in the model's chat format `fmt` (composer_jax.data.chat)."""
-    from composer_jax.data.chat import render
+def _open_generation(args):
+    """(the opened model, its Generation of the prompts): settings checked before the model loads; a run's
+    recorded sampling is the default; --chat renders prompts in the model's chat format and stops at its
+    end marker; --devices > 1 decodes on the engine grids."""
+    import jax
 
-    def encode(text: str, where: str) -> list[int]:
-        if tokenizer is None:
-            raise ValueError(f"{where}: text prompts need a tokenizer, and {args.model} has none (tokenizer.json / "
-                             "tiktoken.model): give token ids ({\"tokens\": [...]} lines in --prompts)")
-        return [int(i) for i in tokenizer.encode(text)]
-
-    def chat(messages, where: str) -> list[int]:
-        return encode("".join(piece for piece, _ in render(messages, fmt, generation_prompt=True)), where)
-
-    if args.prompt is not None:
-        where = "--prompt"
-        return [(where, chat([{"role": "user", "content": args.prompt}], where) if args.chat
-                 else encode(args.prompt, where))]
-    out = []
-    with open(args.prompts, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{args.prompts} line {n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected an object with 'prompt', 'tokens' or 'messages'")
-            if "tokens" in record:
-                tokens = record["tokens"]
-                if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-                    raise ValueError(f"{where}: 'tokens' must be a list of ints")
-                out.append((where, tokens))
-            elif "messages" in record:
-                out.append((where, chat(record["messages"], where)))
-            elif isinstance(record.get("prompt"), str):
-                text = record["prompt"]
-                ids = chat([{"role": "user", "content": text}], where) if args.chat else encode(text, where)
-                out.append((where, ids))
-            else:
-                raise ValueError(f"{where}: expected a string 'prompt', a 'tokens' list or 'messages'")
-    if not out:
-        raise ValueError(f"{args.prompts}: no prompts")
-    return out
-
-
-def _run_generate(args) -> int:
-    use_cpu_devices(args.devices)
-    import time
-
-    from composer_jax.config import MeshConfig, ModelConfig, apply_overrides, from_dict
+    from composer_jax.config import ModelConfig, apply_overrides
     from composer_jax.data.chat import format_for, get_chat_format
-    from composer_jax.infer import Engine, GenerationError, SamplingParams
-    from composer_jax.infer.config import GenerateConfig
-    from composer_jax.infer.generate import default_max_len, default_slots, free_memory_bytes, request_seeds
+    from composer_jax.data.prompts import prompt_ids
+    from composer_jax.infer.config import load_generate_config
+    from composer_jax.infer.stream import Generation
     from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]
     gen_overrides = [o for o in args.overrides if not o.startswith("model.")]
-    from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, gen_overrides))   # bad settings fail before loading
-    apply_overrides(ModelConfig, {}, model_overrides)  # unknown model keys fail here, before loading
+    load_generate_config(gen_overrides)                 # bad settings fail before loading
+    apply_overrides(ModelConfig, {}, model_overrides)   # unknown model keys too
+    opened = open_model(args.model, model_overrides)
+    gen = load_generate_config(gen_overrides, opened.chat.agent)
+    tokenizer = opened.tokenizer
+    fmt = get_chat_format(format_for(tokenizer, opened.chat.format)) if tokenizer is not None else None
+    prompts = prompt_ids(prompt=args.prompt, path=args.prompts, tokenizer=tokenizer, fmt=fmt, chat=args.chat,
+                         model=args.model)
+    stops = tuple(s for s in (gen.stop, fmt.end_of_turn if args.chat and fmt else "") if s)
+    return opened, Generation(opened.model, prompts, gen, tokenizer=tokenizer, eos_ids=opened.eos_ids,
+                              stop_strings=stops, devices=jax.devices()[:args.devices] if args.devices > 1 else None)
+
+
+def _throughput_line(stats: dict) -> str:
+    line = (f"generated {stats['tokens']} tokens in {stats['wall_s']:.2f} s ({stats['compile_s']:.1f} s compiling): "
+            f"{stats['tokens_per_s']:.1f} tokens/s")
+    if "acceptance_rate" in stats:
+        line += (f"; acceptance {100 * stats['acceptance_rate']:.1f}%, mean accepted length "
+                 f"{stats['mean_accepted_length']:.2f}")
+    return f"{line} ({stats['programs']} programs compiled)"
+
+
+def _run_generate(args) -> int:
+    use_cpu_devices(args.devices)
     try:
-        opened = open_model(args.model, model_overrides)
-        tokenizer, model = opened.tokenizer, opened.model
-        # The sampling the model was trained with (a run's agent settings) is the default.
-        trained = {k: v for k, v in opened.chat.agent.items() if k in ("temperature", "top_p", "top_k",
-                                                                         "max_new_tokens") and v is not None}
-        gen = from_dict(GenerateConfig, apply_overrides(GenerateConfig, trained, gen_overrides))
-        fmt = get_chat_format(format_for(tokenizer, opened.chat.format)) if tokenizer is not None else None
-        prompts = _generate_prompts(args, tokenizer, fmt)
-        if args.devices > 1:
-            import jax
-
-            from composer_jax.parallel import DualMesh, record_layout
-
-            record_layout(model, DualMesh(MeshConfig(), jax.devices()[:args.devices], model=model.cfg))
-        stops = tuple(s for s in (gen.stop, fmt.end_of_turn if args.chat and fmt else "") if s)
-        detokenize = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
-        if stops and detokenize is None:
-            raise ValueError(f"stop strings need a tokenizer, and {args.model} has none")
-        max_len = gen.max_len or default_max_len(model.cfg, [p for _, p in prompts], gen.max_new_tokens)
-        slots = gen.max_slots or default_slots(model.cfg, len(prompts), max_len, gen.speculative, free_memory_bytes())
-        engine = Engine(model, max_slots=slots, steps_per_call=gen.steps_per_call, max_len=max_len,
-                        speculative=gen.speculative, eos_ids=opened.eos_ids, detokenize=detokenize)
-        ids = {}
-        for (where, tokens), seed in zip(prompts, request_seeds(gen.seed, len(prompts))):
-            try:
-                ids[engine.submit(tokens, max_new_tokens=gen.max_new_tokens, stop_strings=stops,
-                                  sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, seed))] = where
-            except GenerationError as e:
-                raise GenerationError(f"{where}: {e}") from None
+        opened, generation = _open_generation(args)
     except (ValueError, OSError) as e:  # GenerationError, ConfigError, CheckpointError, DataError are ValueErrors
         print(f"composer-jax generate: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"{opened.description}: {len(prompts)} prompt(s)", file=sys.stderr)
-    stream = args.prompt is not None and args.out is None and tokenizer is not None
-    printed, streamed, done, start = "", [], {}, time.perf_counter()
-    while not engine.idle:
-        for update in engine.step():
-            if update.finished is not None:
-                done[update.request_id] = update.finished
-            if stream:  # print the decoded text as it grows (held back while a UTF-8 sequence is partial)
-                streamed += update.new_tokens
-                text = tokenizer.decode(streamed).rstrip("\ufffd")
-                if text.startswith(printed):
-                    sys.stdout.write(text[len(printed):])
-                    sys.stdout.flush()
-                    printed = text
-    wall = time.perf_counter() - start
-    if stream:
+    print(f"{opened.description}: {len(generation.sources)} prompt(s)", file=sys.stderr)
+    if args.prompt is not None and args.out is None and opened.tokenizer is not None:
+        for piece in generation.text_pieces():
+            sys.stdout.write(piece)
+            sys.stdout.flush()
         print()
     else:
-        lines = []
-        for request_id, where in ids.items():
-            c = done[request_id]
-            record = {"source": where, "tokens": c.tokens, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-            if tokenizer is not None:
-                record["text"] = tokenizer.decode(c.tokens)
-            lines.append(json.dumps(record))
+        lines = "".join(json.dumps(record) + "\n" for record in generation.records())
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
-                f.write("".join(line + "\n" for line in lines))
+                f.write(lines)
         else:
-            print("\n".join(lines))
-    total, compiling = sum(len(c.tokens) for c in done.values()), engine.stats["compile_s"]
-    line = (f"generated {total} tokens in {wall:.2f} s ({compiling:.1f} s compiling): "
-            f"{total / max(wall - compiling, 1e-9):.1f} tokens/s")
-    if gen.speculative:
-        acc = engine.acceptance
-        line += (f"; acceptance {100 * acc['acceptance_rate']:.1f}%, mean accepted length "
-                 f"{acc['mean_accepted_length']:.2f}")
-    print(f"{line} ({len(engine.compiled)} programs compiled)", file=sys.stderr)
+            sys.stdout.write(lines)
+    print(_throughput_line(generation.stats()), file=sys.stderr)
     return 0
 
 

@@ -7,30 +7,7 @@ import json
 from composer_jax.cli.common import non_negative_int, positive_int, subcommand
 from composer_jax.config import ConfigError, MeshConfig
 
-HBM_GB = 141.0            # an H200
-MEM_FRACTION = 0.9        # XLA_PYTHON_CLIENT_MEM_FRACTION: what JAX may take (shared/reference/performance.md 3)
-
-
-def load_plan_config(name: str, overrides):
-    """A RunConfig: a run config with overrides, or a model config with default run settings (then the
-    overrides are run-config keys: model.moe.dispatch=ep_a2a, train.remat=full, mesh.cp=2)."""
-    from composer_jax.config import (
-        apply_overrides,
-        command_line_overrides,
-        from_dict,
-        override_origin,
-        read_yaml,
-        resolve_config_path,
-    )
-    from composer_jax.train.config import RunConfig, is_run_config, load_run_config
-
-    if is_run_config(name):
-        return load_run_config(name, overrides)
-    path = resolve_config_path(name, kind="model")
-    try:
-        return from_dict(RunConfig, apply_overrides(RunConfig, {"model": read_yaml(path)}, overrides))
-    except ConfigError as e:
-        raise override_origin(e, path, command_line_overrides(overrides)) from None
+HBM_GB = 141.0            # --hbm-gb's default: an H200
 
 
 def parse_layout(text: str) -> MeshConfig:
@@ -49,16 +26,6 @@ def parse_layout(text: str) -> MeshConfig:
         raise ConfigError("--layout", f"{text!r}: {e}") from None
 
 
-def candidate_layouts(cfg, devices: int) -> list[MeshConfig]:
-    """Layouts to judge when none is given: context parallelism 1, 2, 4, ... 64 with FSDP over the rest
-    of the devices, experts on the widest expert-parallel axis that divides both the experts and the
-    devices (replicated over the remainder)."""
-    experts = cfg.model.moe.n_routed_experts
-    ep = max(e for e in range(1, devices + 1) if devices % e == 0 and experts % e == 0)
-    return [MeshConfig(fsdp=devices // cp, cp=cp, ereplica=devices // ep, ep=ep)
-            for cp in (1, 2, 4, 8, 16, 32, 64) if cp <= devices and devices % cp == 0]
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -70,12 +37,15 @@ def _layout_text(sizes: dict) -> str:
 
 
 def _verdict(total: float, hbm_gb: float) -> str:
-    usable = hbm_gb * 1e9 * MEM_FRACTION
-    return "fits" if total <= usable else "does not fit"
+    from composer_jax.plan.report import fits
+
+    return "fits" if fits(total, hbm_gb) else "does not fit"
 
 
 def plan_table(plans, hbm_gb: float) -> str:
     """Per-device rows (one column per plan: train, rl) and the verdict against the HBM."""
+    from composer_jax.plan.report import MEM_FRACTION
+
     rows = [("parameters", "params"), ("router biases", "biases"), ("optimizer state", "optimizer"),
             ("gradients", "gradients"), ("batch", "batch"), ("activations (kept for backward)", "activations"),
             ("temporaries (peak phase)", "temporaries"), ("  of which one MoE layer's dispatch buffers", "dispatch")]
@@ -99,104 +69,64 @@ def plan_table(plans, hbm_gb: float) -> str:
 
 
 def _run_plan(args) -> int:
-    import dataclasses
-
-    from composer_jax.plan.memory import plan_train
-    from composer_jax.plan.muon import ns_share
-    from composer_jax.plan.rl import plan_rl
-    from composer_jax.rl.config import RLConfig
+    from composer_jax.plan.report import load_plan_config, plan_report
 
     cfg = load_plan_config(args.config, args.overrides)
-    layouts = [parse_layout(text) for text in args.layout]
     options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
-    train = plan_train(cfg, args.devices, **options)
-    window = min(args.rl_window, cfg.train.seq_len)
-    tc = cfg.train   # the RL step with the run's optimizer, remat policy, loss chunk and micro-batches
-    rl_cfg = RLConfig(optimizer=cfg.optimizer, remat=tc.remat, loss_chunk=tc.loss_chunk,
-                      micro_batch=tc.batch_size // tc.grad_accum if tc.grad_accum > 1 else 0)
-    try:
-        rl = plan_rl(cfg, rl_cfg, args.devices, rows=cfg.train.batch_size, seq=cfg.train.seq_len,
-                     slots=args.rl_slots, window=window, **options)
-    except ConfigError as e:   # a layout the RL step cannot take: the training plan stands alone
-        rl, rl_note = None, f"RL step not planned: {e}"
-    else:
-        feedback = f"{args.rl_slots} feedback window(s) of {window} tokens" if args.rl_slots else "no feedback windows"
-        rl_note = f"RL: {cfg.train.batch_size} rows of {cfg.train.seq_len} tokens, {feedback} per row"
-    plans = [train] if rl is None else [train, rl]
-    s = train.settings
-    print(f"plan: {args.config} on {args.devices} devices, layout {_layout_text(train.sizes)}\n"
-          f"attention {s['attention']} ({s['platform']}), remat {s['remat']}, dispatch {s['dispatch']} (capacity "
-          f"factor {s['capacity_factor']}), grouped matmul {s['grouped_matmul']}, optimizer {s['optimizer']}; "
-          f"train: {cfg.train.batch_size // cfg.train.grad_accum} rows of {cfg.train.seq_len} tokens per "
-          f"micro-batch; {rl_note}\n")
-    print(plan_table(plans, args.hbm_gb))
-    report = {"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
-              "hbm_gb": args.hbm_gb, "mem_fraction": MEM_FRACTION, "plans": [p.to_dict() for p in plans]}
-    if cfg.train.init_from:
-        report["loading"] = _loading(cfg, train.sizes, min(args.devices, args.devices_per_host))
-    if cfg.optimizer.name == "muon":
-        share = ns_share(cfg.model, train.sizes, ns_dtype=cfg.optimizer.ns_dtype)
+    report = plan_report(cfg, args.devices, rl_slots=args.rl_slots, rl_window=args.rl_window,
+                         devices_per_host=args.devices_per_host, seq_lens=args.seq_lens or (),
+                         layouts=[parse_layout(text) for text in args.layout], **options)
+    print(_heading(args, cfg, report) + "\n")
+    print(plan_table([p for p in (report.train, report.rl) if p is not None], args.hbm_gb))
+    if report.loading is not None:
+        _print_loading(report.loading)
+    if report.muon is not None:
+        share = report.muon
         print(f"\nMuon Newton-Schulz per device: {share.per_device / 1e12:.4g} TFLOP, {share.ratio:.4f}x the even "
               f"share (total {share.total / 1e12:.4g} TFLOP over {share.matrices:,} matrices / {share.devices})")
-        report["muon_ns"] = dataclasses.asdict(share) | {"ratio": share.ratio}
-    if args.seq_lens or layouts:
-        report["verdicts"] = _verdicts(cfg, args.seq_lens or [cfg.train.seq_len],
-                                       layouts or candidate_layouts(cfg, args.devices), args, options)
+    if report.verdicts:
+        _print_verdicts(report, args.hbm_gb)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
+                       **report.to_dict(args.hbm_gb)}, f, indent=2)
     return 0
 
 
-def _loading(cfg, sizes: dict, devices_per_host: int) -> dict:
-    """Print and return the host memory of streaming train.init_from's weights onto the layout."""
-    import numpy as np
-
-    from composer_jax.model_dirs import open_source
-    from composer_jax.plan.loading import loading_peak
-
-    source = open_source(cfg.train.init_from, need_weights=False)    # its config and index: nothing is read
-    itemsize = 4 if source.quantized else np.dtype(source.model.param_dtype).itemsize
-    peak = loading_peak(cfg.model, sizes, devices_per_host, itemsize)
-    print(f"\nloading {source.description}: peak {_gb(peak.bytes)} per host of {devices_per_host} devices ({peak.leaf}: "
-          f"its local shards {_gb(peak.held)} + one source tensor's block {_gb(peak.read)}"
-          f"{', dequantized to float32' if source.quantized else ''})")
-    return {"source": str(source.path), "devices_per_host": devices_per_host, **peak.to_dict()}
+def _heading(args, cfg, report) -> str:
+    s, window = report.train.settings, min(args.rl_window, cfg.train.seq_len)
+    if report.rl is None:
+        rl_note = f"RL step not planned: {report.rl_error}"
+    else:
+        feedback = f"{args.rl_slots} feedback window(s) of {window} tokens" if args.rl_slots else "no feedback windows"
+        rl_note = f"RL: {cfg.train.batch_size} rows of {cfg.train.seq_len} tokens, {feedback} per row"
+    return (f"plan: {args.config} on {args.devices} devices, layout {_layout_text(report.train.sizes)}\n"
+            f"attention {s['attention']} ({s['platform']}), remat {s['remat']}, dispatch {s['dispatch']} (capacity "
+            f"factor {s['capacity_factor']}), grouped matmul {s['grouped_matmul']}, optimizer {s['optimizer']}; "
+            f"train: {cfg.train.batch_size // cfg.train.grad_accum} rows of {cfg.train.seq_len} tokens per "
+            f"micro-batch; {rl_note}")
 
 
-def _verdicts(cfg, seq_lens: list[int], layouts: list[MeshConfig], args, options) -> list[dict]:
-    """Print and return the training step's verdict per layout and sequence length (one sequence per
-    data-parallel shard, no gradient accumulation)."""
-    import dataclasses
+def _print_loading(loading) -> None:
+    peak = loading.peak
+    print(f"\nloading {loading.description}: peak {_gb(peak.bytes)} per host of {loading.devices_per_host} devices "
+          f"({peak.leaf}: its local shards {_gb(peak.held)} + one source tensor's block {_gb(peak.read)}"
+          f"{', dequantized to float32' if loading.quantized else ''})")
 
-    from composer_jax.plan.memory import layout_sizes, plan_train
+
+def _print_verdicts(report, hbm_gb: float) -> None:
+    from composer_jax.plan.report import MEM_FRACTION
 
     print(f"\ntraining step per device by layout and sequence length (1 sequence per data-parallel shard, "
-          f"{MEM_FRACTION:.0%} of {args.hbm_gb:g} GB usable):")
-    print(f"  {'layout':<46}" + "".join(f"{f'seq {n:,}':>24}" for n in seq_lens))
-    verdicts = []
-    for mesh in layouts:
-        layout_cfg = dataclasses.replace(cfg, mesh=mesh)
-        try:
-            sizes = layout_sizes(layout_cfg, args.devices)
-        except ConfigError as e:
-            print(f"  {mesh}: {e}")
+          f"{MEM_FRACTION:.0%} of {hbm_gb:g} GB usable):")
+    print(f"  {'layout':<46}" + "".join(f"{f'seq {n:,}':>24}" for n in report.seq_lens))
+    for layout in report.verdicts:
+        if layout.error is not None:
+            print(f"  {layout.mesh}: {layout.error}")
             continue
-        cells = []
-        for seq in seq_lens:
-            try:
-                train = dataclasses.replace(cfg.train, batch_size=sizes["replica"] * sizes["fsdp"], grad_accum=1,
-                                            seq_len=seq)
-                p = plan_train(dataclasses.replace(layout_cfg, train=train), args.devices, **options)
-            except ConfigError as e:
-                cells.append(f"{'n/a':>24}")
-                verdicts.append({"layout": sizes, "seq": seq, "error": str(e)})
-                continue
-            fits = _verdict(p.total, args.hbm_gb)
-            cells.append(f"{p.total / 1e9:9.1f} GB {fits:>12}")
-            verdicts.append({"layout": sizes, "seq": seq, "total": p.total, "fits": fits == "fits", "plan": p.to_dict()})
-        print(f"  {_layout_text(sizes):<46}" + "".join(f"{c:>24}" for c in cells))
-    return verdicts
+        cells = [f"{'n/a':>24}" if isinstance(p, str) else f"{p.total / 1e9:9.1f} GB {_verdict(p.total, hbm_gb):>12}"
+                 for p in layout.plans]
+        print(f"  {_layout_text(layout.sizes):<46}" + "".join(f"{c:>24}" for c in cells))
 
 
 def _seq_lens(text: str) -> list[int]:

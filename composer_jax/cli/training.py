@@ -135,13 +135,12 @@ def _add_sft(sub) -> None:
 
 def _one_process_only(command: str) -> None:
     """`rl-engine` runs as one process: a launch of several tasks (srun, or COMPOSER_JAX_NUM_PROCESSES > 1)
-    would start independent engines on one exchange directory. (A batch script outside srun also sees
-    SLURM_NTASKS, of the whole job: only a job step's count counts.)"""
-    count, source = os.environ.get("COMPOSER_JAX_NUM_PROCESSES"), "COMPOSER_JAX_NUM_PROCESSES"
-    if not count and "SLURM_STEP_ID" in os.environ:
-        count, source = os.environ.get("SLURM_NTASKS"), "SLURM_NTASKS (an srun step)"
-    if count and count.strip().isdigit() and int(count) > 1:
-        raise ConfigError("", f"{command} runs as one process, but {source} is {count}: launch `composer-jax "
+    would start independent engines on one exchange directory."""
+    from composer_jax.parallel.distributed import launched_tasks
+
+    tasks = launched_tasks()
+    if tasks is not None:
+        raise ConfigError("", f"{command} runs as one process, but {tasks[1]} is {tasks[0]}: launch `composer-jax "
                               "rl-engine` as one task (srun --ntasks=1; docs/multihost.md, Launching RL on a cluster)")
 
 
@@ -165,7 +164,7 @@ def _load_rl(args):
 
 def _run_rl(args) -> int:
     cfg = _load_rl(args)
-    from composer_jax.rl.exchange import ExchangeError
+    from composer_jax.rl.exchange.directory import ExchangeError
     from composer_jax.rl.loop import train_rl
     from composer_jax.train.lifecycle import interrupted_line
 
@@ -210,8 +209,8 @@ def _add_rl(sub) -> None:
 
 def _run_rl_engine(args) -> int:
     cfg = _load_rl(args)
-    from composer_jax.rl.exchange import ExchangeError
-    from composer_jax.rl.remote_engine import serve
+    from composer_jax.rl.exchange.directory import ExchangeError
+    from composer_jax.rl.exchange.engine_process import serve
 
     try:
         s = serve(cfg, engine=args.engine)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from composer_jax.config import ConfigError
+from composer_jax.config import ConfigError, apply_overrides, from_dict
+
+RECORDED = ("temperature", "top_p", "top_k", "max_new_tokens")   # the sampling a run records for its agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,3 +36,9 @@ class GenerateConfig:
                 raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:
             raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")
+
+
+def load_generate_config(overrides: Sequence[str], recorded: dict | None = None) -> GenerateConfig:
+    """`key=value` overrides over a run's recorded agent settings (their RECORDED keys, where set)."""
+    defaults = {k: v for k, v in (recorded or {}).items() if k in RECORDED and v is not None}
+    return from_dict(GenerateConfig, apply_overrides(GenerateConfig, defaults, list(overrides)))

@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from composer_jax.config import MeshConfig, ModelConfig
 from composer_jax.infer.cache import cache_shapes
 from composer_jax.infer.engine import DEFAULT_CHUNKS, Engine, GenerationError
 from composer_jax.infer.sampling import SamplingParams
+from composer_jax.parallel import DualMesh
 
 CACHE_ROUNDING = 64  # cache lengths are rounded up to a multiple of this, so calls share compiled programs
 SLOT_ROUNDING = 16   # slot counts: powers of two up to this, then multiples of it (calls share programs)
@@ -36,6 +38,13 @@ class GenerateResult:
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     compiled: list[str] = dataclasses.field(default_factory=list)
+
+
+def engine_grids(model: ModelConfig, devices: Sequence) -> DualMesh:
+    """The dual grid an engine on devices of its own decodes on: the default MeshConfig (fsdp and ep fill
+    `devices`), checked against `model`; the engine takes it with the inference placement
+    (`DualMesh.for_inference`)."""
+    return DualMesh(MeshConfig(), devices, model=model)
 
 
 def default_max_len(cfg, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
@@ -79,6 +88,15 @@ def request_seeds(seed: int | Sequence[int], count: int) -> list[int]:
     return seeds
 
 
+def sized_engine(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, speculative: bool,
+                 max_slots: int | None = None, max_len: int | None = None, **engine_args) -> Engine:
+    """An engine for `prompts`: max_len (default: `default_max_len`) cache positions per slot, max_slots
+    (default: `default_slots`, as memory allows) slots; `engine_args` go to `Engine`."""
+    max_len = max_len or default_max_len(model.cfg, prompts, max_new_tokens)
+    slots = max_slots or default_slots(model.cfg, len(prompts), max_len, speculative, free_memory_bytes())
+    return Engine(model, max_slots=slots, max_len=max_len, speculative=speculative, **engine_args)
+
+
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
              stop_tokens: Sequence[int] | None = None, speculative: bool = False,
@@ -101,11 +119,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
         if not p:
             raise GenerationError(f"prompt {i} is empty")
     seeds = request_seeds(seed, len(prompts))
-    max_len = max_len or default_max_len(model.cfg, prompts, max_new_tokens)
-    slots = max_slots or default_slots(model.cfg, len(prompts), max_len, speculative, free_memory_bytes())
-    engine = Engine(model, max_slots=slots, max_len=max_len,
-                    chunk_sizes=chunk_sizes, steps_per_call=steps_per_call, speculative=speculative,
-                    eos_ids=getattr(model, "eos_token_ids", ()), detokenize=detokenize)
+    engine = sized_engine(model, prompts, max_new_tokens=max_new_tokens, speculative=speculative, max_slots=max_slots,
+                          max_len=max_len, chunk_sizes=chunk_sizes, steps_per_call=steps_per_call,
+                          eos_ids=getattr(model, "eos_token_ids", ()), detokenize=detokenize)
     ids = [engine.submit(p, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, stop_strings=stop_strings,
                          sampling=SamplingParams(temperature, top_p, top_k, s))
            for p, s in zip(prompts, seeds)]

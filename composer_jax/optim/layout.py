@@ -1,11 +1,11 @@
-"""Muon's batched, sharded orthogonalization, executed from the static plan of `optim.exchange_plan`:
+"""Muon's batched, sharded orthogonalization, executed from the static plan of `optim.orthogonalize_plan`:
 every matrix of every Muon leaf is orthogonalized exactly once, on one device, as part of a same-shape
 batch, and comes back in its leaf's own shape, axis order and sharding.
 
 Per bucket, `_gather` (a `shard_map` over the bucket's mesh) turns the leaves' local blocks into whole
 matrices with all-to-alls, one array per piece; per chunk, the group's pieces are moved onto the home
 bucket's mesh (no data moves: the meshes enumerate the same devices in one order), stacked, run
-through NS and split back; a split layer (`exchange_plan.SplitLayer`) is normalised whole, cut into
+through NS and split back; a split layer (`orthogonalize_plan.SplitLayer`) is normalised whole, cut into
 column blocks over the devices and run through the split NS steps (`_orthogonalize_split`); `_scatter`
 returns each bucket's matrices to its leaves. Leaves on a mesh with non-Explicit axes, or without a
 mesh, are handled in the global view (XLA partitions that).
@@ -23,8 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.optim.exchange_plan import (Bucket, MatrixView, check_meshes, leaf_info, matrix_view, plan_groups,
-                                              split_width)
+from composer_jax.optim.orthogonalize_plan import (Bucket, MatrixView, check_meshes, leaf_info, matrix_view,
+                                                   plan_groups, split_width)
 from composer_jax.parallel.leafwise import on_mesh
 
 __all__ = ["MatrixView", "SplitNS", "check_meshes", "matrix_view", "orthogonalize"]
@@ -203,7 +203,7 @@ def orthogonalize(xs: Sequence[jax.Array], views: Sequence[MatrixView],
     xs: the leaves; views: their `MatrixView`s; chunks: runs each same-shape group is cut into;
     meshes: the concrete meshes of the leaves (needed when they live on more than one; `check_meshes`);
     split: `ns` in two halves (`SplitNS`), which lets the plan split a layer of a few matrices into
-    column blocks over all devices where that costs less (`exchange_plan`); None: never split.
+    column blocks over all devices where that costs less (`orthogonalize_plan`); None: never split.
     """
     check_meshes(xs, [f"leaf {i}" for i in range(len(xs))], meshes)
     outputs: list[jax.Array | None] = [None] * len(xs)

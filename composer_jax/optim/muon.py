@@ -31,7 +31,7 @@ import optax
 
 from composer_jax.optim import layout
 from composer_jax.optim.newton_schulz import coefficient_schedule, newton_schulz, normalize, split_steps
-from composer_jax.optim.plan import ADAM, FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
+from composer_jax.optim.param_labels import ADAM, FROZEN, MUON, MuonPlan, is_variable, make_plan, pure
 from composer_jax.parallel.leafwise import localize, mesh_of, on_mesh, per_mesh
 
 DEFAULT_NS_STEPS = 5

@@ -86,6 +86,18 @@ def _with_port(address: str, port: int) -> str:
     return address if re.search(r":\d+$", address) else f"{address}:{port}"
 
 
+def launched_tasks(environ: Mapping[str, str] = os.environ) -> tuple[int, str] | None:
+    """(how many tasks the launcher started for this step, the variable that says so) when more than one:
+    COMPOSER_JAX_NUM_PROCESSES, else an srun step's SLURM_NTASKS (a batch script outside srun also sees
+    SLURM_NTASKS, of the whole job: only a job step's count counts); None for one task."""
+    count, source = environ.get("COMPOSER_JAX_NUM_PROCESSES"), "COMPOSER_JAX_NUM_PROCESSES"
+    if not count and "SLURM_STEP_ID" in environ:
+        count, source = environ.get("SLURM_NTASKS"), "SLURM_NTASKS (an srun step)"
+    if count and count.strip().isdigit() and int(count) > 1:
+        return int(count), source
+    return None
+
+
 def find_group(environ: Mapping[str, str] = os.environ, *, coordinator: str | None = None,
                num_processes: int | None = None, process_id: int | None = None,
                coordinator_port: int | None = None) -> ProcessGroup | None:

@@ -1,5 +1,5 @@
 """Muon's Newton-Schulz work per device on a layout, from the exchange plan itself
-(`optim.exchange_plan.plan_groups` over leaf descriptions on abstract meshes): no devices needed."""
+(`optim.orthogonalize_plan.plan_groups` over leaf descriptions on abstract meshes): no devices needed."""
 
 from __future__ import annotations
 
@@ -14,15 +14,10 @@ from optax.contrib import MuonDimensionNumbers
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.accounting import abstract_model
-from composer_jax.optim.exchange_plan import (
-    describe_leaf,
-    matrix_view,
-    ns_flops_per_device,
-    plan_groups,
-)
 from composer_jax.optim.muon import DEFAULT_CHUNKS, DEFAULT_NS_STEPS
 from composer_jax.optim.newton_schulz import ns_flops
-from composer_jax.optim.plan import dimension_numbers
+from composer_jax.optim.orthogonalize_plan import describe_leaf, matrix_view, ns_flops_per_device, plan_groups
+from composer_jax.optim.param_labels import dimension_numbers
 from composer_jax.parallel.mesh import DENSE_AXES, EXPERT_AXES
 from composer_jax.parallel.partitioning import grid_of, spec_for
 

@@ -35,15 +35,17 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from composer_jax.config import ConfigError, MeshConfig, to_dict
+from composer_jax.config import ConfigError, to_dict
 from composer_jax.envs import cut_examples, write_examples
 from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.engine_agent import EngineAgent
+from composer_jax.infer.generate import engine_grids
 from composer_jax.model import CausalLM
 from composer_jax.model_dirs import write_chat
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.parallel.distributed import any_process, process_major_devices
-from composer_jax.rl.exchange import LearnerExchange, engine_settings
+from composer_jax.rl.exchange.learner_end import LearnerExchange
+from composer_jax.rl.exchange.settings import engine_settings
 from composer_jax.rl.ingest import data_shards, process_rows
 from composer_jax.rl.reference import ReferencePolicy
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, engine_sampling
@@ -184,7 +186,7 @@ class RLTrainer:
         its own (a fresh model placed there); it starts with a copy of the learner's current weights."""
         if engine_devices is not None:      # the engine's own grid; its weights come from the learner below
             source = CausalLM(self.cfg.model, rngs=nnx.Rngs(self.cfg.seed))
-            shard_model(source, DualMesh(MeshConfig(), engine_devices, model=self.cfg.model))
+            shard_model(source, engine_grids(self.cfg.model, engine_devices))
         agent = engine_agent(self.cfg, self.tokenizer, source)
         # A copy of the learner's current weights (restored, or the source's): its arrays are donated by the steps.
         agent.update_weights(agent.engine.place_weights(self._policy()), self.version)

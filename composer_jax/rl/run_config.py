@@ -45,15 +45,15 @@ class RolloutConfig:
     feedback_slots: int = 0
     feedback_window: int = 128      # tokens per teacher slot: the hint, then the flagged turn (cut to fit: counted)
     # thread: the engine runs in the learner's process; directory: in its own (`composer-jax rl-engine`, same
-    # config), exchanging weight versions and batches through files in exchange_dir (rl/exchange.py)
+    # config), exchanging weight versions and batches through files in exchange_dir (rl/exchange/)
     transport: Literal["thread", "directory"] = "thread"
     exchange_dir: str = ""          # directory transport: a directory both processes see ("": RUN_DIR/exchange)
     engine_timeout_s: float = 600.0  # directory transport: the learner's wait for a batch, the engine's for weights
     # directory transport: weight versions as files in exchange_dir, or pulled device to device from the
-    # learner's devices (jax.experimental.transfer; rl/weight_transfer.py)
+    # learner's devices (jax.experimental.transfer; rl/exchange/transport_device.py)
     weight_transfer: Literal["file", "device"] = "file"
     # directory transport: `composer-jax rl-engine --engine K` processes, K = 0..engines-1; engine K samples
-    # its own share of the training tasks and produces batches K, K + engines, ... (rl/remote_engine.py)
+    # its own share of the training tasks and produces batches K, K + engines, ... (rl/exchange/engine_process.py)
     engines: int = 1
 
     def __post_init__(self):

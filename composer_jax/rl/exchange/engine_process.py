@@ -3,14 +3,14 @@
     serve(cfg, engine=0)        # the same run config as the learner's `composer-jax rl`
 
 It builds the inference engine on this process's devices (its own JAX runtime), waits for the
-learner's session in the exchange directory (`rl.exchange`), starts from the sampler and group state
-the learner put there (its checkpoint's on a resumed run, so no consumed prompt is drawn again),
-installs the learner's weight versions as they appear (in place, no recompilation) and writes each
-batch back: the producer's own loop (`RolloutProducer.run_batches`), with the same staleness gate
+learner's session in the exchange directory (its end of the exchange: `EngineExchange`), starts from the
+sampler and group state the learner put there (its checkpoint's on a resumed run, so no consumed prompt
+is drawn again), installs the learner's weight versions as they appear (in place, no recompilation) and
+writes each batch back: the producer's own loop (`RolloutProducer.run_batches`), with the same staleness gate
 (batch i starts once version i - rl.max_staleness is in the directory). It exits when the learner
 writes its stop marker; a new learner session (a restarted learner) is followed. A failure is written
 for the learner to report, then raised; a heartbeat file tells the learner the engine is alive (one
-killed without a word is noticed within `exchange.HEARTBEAT_GRACE_S`).
+killed without a word is noticed within `heartbeat.HEARTBEAT_GRACE_S`).
 
 Several engines (rollout.engines = n, `serve(cfg, engine=k)` for k = 0..n-1, one process each): engine
 k samples every n-th training task from the k-th on, with its own sampler and group state (the session
@@ -25,11 +25,14 @@ import threading
 import jax
 from flax import nnx
 
-from composer_jax.config import ConfigError, MeshConfig
+from composer_jax.config import ConfigError
+from composer_jax.infer.generate import engine_grids
 from composer_jax.model import CausalLM
-from composer_jax.parallel import DualMesh, shard_model
-from composer_jax.rl.exchange import (POLL_S, EngineExchange, ExchangeError, Heartbeat, check_same_settings,
-                                      engine_settings)
+from composer_jax.parallel import shard_model
+from composer_jax.rl.exchange.directory import POLL_S, ExchangeError
+from composer_jax.rl.exchange.engine_end import EngineExchange
+from composer_jax.rl.exchange.heartbeat import Heartbeat
+from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
 from composer_jax.rl.rollout import RolloutProducer, engine_agent, engine_sampling
 from composer_jax.rl.run_config import RLRunConfig, resolve_run
 from composer_jax.rl.task_sets import TaskSets, task_sets
@@ -85,7 +88,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
     setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
     cfg = setup.cfg
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
-    shard_model(model, DualMesh(MeshConfig(), jax.devices(), model=cfg.model))
+    shard_model(model, engine_grids(cfg.model, jax.devices()))
     agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
     exchange = None

@@ -40,16 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from composer_jax.rl.exchange import ExchangeError, atomic_write, numbered, numbered_file, prune
+from composer_jax.rl.exchange.directory import ExchangeError, numbered, numbered_file, prune, write_json
 from composer_jax.tree_paths import path_str
 
 KEEP_VERSIONS = 2           # versions the learner holds (the engine may be asking for the one before the newest)
 POLL_S = 0.05
 ENGINE_FILE = "engine.json"
-
-
-def _atomic_json(path: Path, value) -> None:
-    atomic_write(path, json.dumps(value).encode())
 
 
 def _server(host: str):
@@ -107,7 +103,7 @@ def learner_shardings(layout: dict, devices: list) -> dict[str, NamedSharding]:
             for p in layout["params"]}
 
 
-class WeightServer:
+class DeviceWeightServer:
     """The learner's side. `offer(state, version)` copies the parameters the engine's layout names into
     that layout and announces the version; a thread schedules a held version for the engine's pull
     when the engine asks. `wait(path, what)`: the exchange's bounded wait for a file (it checks the
@@ -154,7 +150,7 @@ class WeightServer:
             self._held[version] = arrays
             for old in sorted(self._held)[:-KEEP_VERSIONS]:
                 del self._held[old]
-        _atomic_json(numbered_file(self.dir / "weights", version, ".json"),
+        write_json(numbered_file(self.dir / "weights", version, ".json"),
                      {"version": version, "address": self._server.address()})
         prune(self.dir / "weights", KEEP_VERSIONS, ".json")
 
@@ -175,14 +171,14 @@ class WeightServer:
             if version in self._held:
                 answer = {"version": version, "uuid": next(self._ids)}
                 self._server.await_pull(answer["uuid"], self._held[version])
-        _atomic_json(request.with_suffix(".ready.json"), answer)
+        write_json(request.with_suffix(".ready.json"), answer)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
 
 
-class WeightClient:
+class DeviceWeightClient:
     """The engine's side: describes its layout (`like`: its parameters) in the session, and pulls a
     version into it (`pull`). `alive()` is False once the session ended; waits end after timeout_s."""
 
@@ -193,7 +189,7 @@ class WeightClient:
         self._server = _server(_host_address())   # to connect from (reachable, should the transport connect back)
         self._connections: dict[str, object] = {}
         self._requests = itertools.count(1)
-        _atomic_json(self.dir / ENGINE_FILE, describe_layout(like))
+        write_json(self.dir / ENGINE_FILE, describe_layout(like))
 
     def versions(self) -> list[int]:
         return numbered(self.dir / "weights", ".json")
@@ -206,7 +202,7 @@ class WeightClient:
         except FileNotFoundError:
             return None
         request = numbered_file(self.dir / "pulls", next(self._requests), ".json")
-        _atomic_json(request, {"version": version})
+        write_json(request, {"version": version})
         ready, deadline = request.with_suffix(".ready.json"), time.monotonic() + self.timeout_s
         while not ready.exists():
             if not self.alive():
