@@ -24,7 +24,7 @@ from flax import nnx
 from composer_jax import cli
 from composer_jax.config import to_dict
 from composer_jax.envs import get_format, toy_tasks
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
 from composer_jax.rl.loop import Overlap, RLTrainer

@@ -200,7 +200,8 @@ def _add_tasks(sub) -> None:
 
 
 def _run_eval(args) -> int:
-    from composer_jax.eval import EvalConfig, EvalError, evaluate, load_agent, load_task_set, summary_table
+    from composer_jax.agents import AgentError, load_agent, load_task_set
+    from composer_jax.eval import EvalConfig, EvalError, evaluate, summary_table
     from composer_jax.sandbox import SandboxError, SandboxUnavailable, make_sandbox
     from composer_jax.tasks import TaskError
 
@@ -219,7 +220,7 @@ def _run_eval(args) -> int:
         finally:
             if hasattr(agent, "close"):   # an engine-backed agent's driver thread
                 agent.close()
-    except (EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
+    except (AgentError, EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax eval: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(summary_table(summary))

@@ -4,7 +4,7 @@
 
 The learner (the fused, jitted RL step `rl.step.RLStep` on the dual grid) trains batch i at policy
 version i while the rollout producer (`rl.rollout.RolloutProducer`, a background thread driving the
-inference engine through `eval.engine_agent.EngineAgent`) already samples the next ones with the
+inference engine through `agents.engine_agent.EngineAgent`) already samples the next ones with the
 newest weights it has; no trained batch is older than `rl.max_staleness` versions (a batch that would
 be is dropped and counted). After each step the learner copies its parameters device to device into
 the engine's layout (`Engine.place_weights`) and publishes them; the engine installs them between
@@ -38,7 +38,7 @@ from flax import nnx
 from composer_jax.config import ConfigError, MeshConfig, to_dict
 from composer_jax.envs import cut_examples, write_examples
 from composer_jax.eval import EvalConfig, evaluate
-from composer_jax.eval.engine_agent import EngineAgent
+from composer_jax.agents.engine_agent import EngineAgent
 from composer_jax.model import CausalLM
 from composer_jax.model_dirs import write_chat
 from composer_jax.parallel import DualMesh, shard_model

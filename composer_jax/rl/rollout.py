@@ -39,8 +39,8 @@ from composer_jax.config import ConfigError
 from composer_jax.envs import (Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields,
                                teacher_windows)
 from composer_jax.envs.feedback import FLAG_KINDS, NO_ACTION
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
-from composer_jax.eval.episode import attempt_seed, play
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.agents.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
 from composer_jax.rl.run_config import RLRunConfig
