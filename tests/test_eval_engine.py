@@ -351,7 +351,10 @@ def test_bad_models_and_settings_are_one_line_errors(run_dir, tmp_path, capsys):
         f"MODEL '{run_dir}': agent setting: config key 'max_slot': unknown key for EngineAgentConfig; did you mean "
         "'max_slots'?")
     assert error(run_dir, "--temperature", "-1") == (
-        f"MODEL '{run_dir}': agent setting: temperature must be >= 0 (0: greedy), got -1.0")
+        f"MODEL '{run_dir}': agent setting: config key 'temperature': must be >= 0 (0: greedy), got -1.0")
+    assert error(run_dir, "seed=3") == (
+        f"MODEL '{run_dir}': agent setting: config key 'seed': does not apply to an agent (a turn draws from its "
+        "attempt's seed (--seed)), got 3")
     assert error(run_dir, "model.moe.dispach=dense") == (
         f"MODEL '{run_dir}': agent setting: config key 'moe.dispach': unknown key for MoEConfig; did you mean "
         "'dispatch'?")

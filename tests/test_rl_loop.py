@@ -22,12 +22,13 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.config import to_dict
 from composer_jax.envs import get_format, toy_tasks
-from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
-from composer_jax.rl.loop import Overlap, RLTrainer
+from composer_jax.rl.loop import RLTrainer
+from composer_jax.rl.records import Overlap
 from composer_jax.rl.rollout import RolloutProducer, engine_context, group_assembler
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
@@ -70,9 +71,9 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     # The synchronous reference: the same initial model, sampler and seeds; the compiled step is reused.
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
     tasks = parity_tasks()
-    with trainer.dual:
-        shard_model(model, trainer.dual)
-        state = trainer.rl_step.init_state(model)
+    with trainer.learner.dual:
+        shard_model(model, trainer.learner.dual)
+        state = trainer.learner.rl_step.init_state(model)
         sampler = TaskSampler(list(tasks.train), cfg.sampler)
         r = cfg.rollout
         agent = EngineAgent(model, trainer.tokenizer, "reference", EngineAgentConfig(
@@ -82,10 +83,10 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
         producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler, group_assembler(cfg, sampler), cfg)
         try:
             for step in range(steps):
-                policy = nnx.merge(trainer.rl_step.graphdef, state.params, state.biases, trainer.rl_step.rest)
+                policy = nnx.merge(trainer.learner.rl_step.graphdef, state.params, state.biases, trainer.learner.rl_step.rest)
                 agent.update_weights(agent.engine.place_weights(policy), step)
                 produced = producer.produce(step)
-                state, metrics = trainer.rl_step(state, produced.batch)
+                state, metrics = trainer.learner.rl_step(state, produced.batch)
                 metrics = jax.device_get(metrics)
                 ours = records[step]
                 assert ours["trained_draws"] == [p.draw for p in produced.trained]

@@ -29,7 +29,8 @@ from composer_jax.rl import exchange as exchange_lib
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.exchange import (EngineExchange, ExchangeError, LearnerExchange, check_same_settings,
                                       engine_settings, read_batch, read_weights, write_batch, write_weights)
-from composer_jax.rl.loop import RLTrainer, engine_states
+from composer_jax.rl.engines import engine_states
+from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler

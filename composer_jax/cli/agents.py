@@ -167,6 +167,10 @@ def _add_tasks(sub) -> None:
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")
     t.add_argument("out_dir", metavar="OUT_DIR")
+    _add_tasks_demos(tasks_sub)
+
+
+def _add_tasks_demos(tasks_sub) -> None:
     d = subcommand(tasks_sub, "demos", _run_tasks_demos, "write agent trajectories solving tasks (SFT data)",
                    "For every task of TASKS_DIR (a directory of task directories, or one) that "
                    "has a solution.patch, play a scripted agent in the coding environment: run "
