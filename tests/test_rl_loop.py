@@ -268,22 +268,22 @@ def test_a_resumed_run_rebuilds_the_fixed_teacher_from_its_source(tmp_path):
                   "rollout.transport=directory")    # no in-process engine to build: none runs here
     first = RLTrainer(cfg)
     try:
-        teacher = [np.asarray(x) for x in jax.tree.leaves(first.rl_step.teacher_params)]
+        teacher = [np.asarray(x) for x in jax.tree.leaves(first.learner.rl_step.teacher_params)]
         source_params = nnx.state(open_model(source).model, nnx.Param)
         for want, got in zip(jax.tree.leaves(source_params), teacher):
             assert np.array_equal(np.asarray(want), got)
-        moved = first.state._replace(step=first.state.step + 1, params=jax.tree.map(lambda x: x * 0.5, first.state.params))
+        state = first.learner.state
+        moved = state._replace(step=state.step + 1, params=jax.tree.map(lambda x: x * 0.5, state.params))
         policy = [np.asarray(x) for x in jax.tree.leaves(moved.params)]
-        first.checkpoints.save(1, moved, {"sampler": first.sampler.state_dict(), "groups": first.groups.state_dict()},
-                               to_dict(cfg))
+        first.checkpoints.save(1, moved, first.rollouts.checkpoint_data(), to_dict(cfg))
     finally:
         first.checkpoints.close()
     second = RLTrainer(cfg)
     try:
-        assert second.resumed_from == 1 and second.version == 1
-        for want, got in zip(teacher, jax.tree.leaves(second.rl_step.teacher_params)):
+        assert second.life.resumed_from == 1 and second.learner.version == 1
+        for want, got in zip(teacher, jax.tree.leaves(second.learner.rl_step.teacher_params)):
             assert np.array_equal(want, np.asarray(got))
-        for want, got in zip(policy, jax.tree.leaves(second.state.params)):
+        for want, got in zip(policy, jax.tree.leaves(second.learner.state.params)):
             assert np.array_equal(want, np.asarray(got))
     finally:
         second.checkpoints.close()
