@@ -480,8 +480,12 @@ class KeyInfo:
 
 
 def describe_keys(cls: type, prefix: str = "") -> list[KeyInfo]:
-    """Every leaf key of dataclass `cls` (nested sections expanded), with type, default and meaning."""
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    """Every leaf key of dataclass `cls` (nested sections expanded), with type, default and meaning (a
+    field's comment in the class that declares it last: a subclass may redeclare a base's field)."""
+    hints, docs = typing.get_type_hints(cls), {}
+    for c in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(c):
+            docs.update(field_docs(c))
     out = []
     for f in dataclasses.fields(cls):
         key, tp = f"{prefix}{f.name}", hints[f.name]

@@ -19,7 +19,7 @@ KINDS = {
 def config_class(kind: str) -> type:
     """The dataclass of `kind` (imported here: the RL and eval configs pull in their packages)."""
     from composer_jax.config import ModelConfig
-    from composer_jax.eval.engine_agent import EngineAgentConfig
+    from composer_jax.agents.engine_agent import EngineAgentConfig
     from composer_jax.infer.config import GenerateConfig
     from composer_jax.rl.run_config import RLRunConfig
     from composer_jax.train.config import RunConfig

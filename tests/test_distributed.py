@@ -327,8 +327,8 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     # gathered and published for the engine after the last step.
     restored = RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={two}"]), parity_tasks())
     try:
-        assert restored.resumed_from == 3
-        policy = nnx.state(restored._policy())
+        assert restored.life.resumed_from == 3
+        policy = nnx.state(restored.learner.policy())
         session = json.loads((two / "exchange" / "session.json").read_text())["session"]
         weights_file = two / "exchange" / session / "weights" / "00000003.npz"
         published, version = read_weights(weights_file, policy)

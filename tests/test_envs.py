@@ -429,7 +429,7 @@ def test_toy_env_with_turns_to_recover_from_a_bad_call():
 
 
 def test_host_side_packages_do_not_import_jax():
-    code = ("import sys, composer_jax.sandbox, composer_jax.tasks, composer_jax.envs, composer_jax.eval\n"
+    code = ("import sys, composer_jax.sandbox, composer_jax.tasks, composer_jax.envs, composer_jax.agents, composer_jax.eval\n"
             "import composer_jax.cli\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax', 'optax'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

@@ -17,9 +17,9 @@ import pytest
 
 from composer_jax import cli
 from composer_jax.envs import PlainFormat, ToyEnv, toy_tasks
-from composer_jax.eval import (AgentTurn, EvalConfig, EvalError, ScriptedAgent, compare_runs, evaluate, load_task_set,
-                               pass_at_k)
-from composer_jax.eval.lint import inspect_changes
+from composer_jax.agents import AgentTurn, ScriptedAgent, load_task_set
+from composer_jax.agents.lint import inspect_changes
+from composer_jax.eval import EvalConfig, EvalError, compare_runs, evaluate, pass_at_k
 from composer_jax.eval.scores import bootstrap, k_values, paired_difference, resample_rows
 from composer_jax.tasks import load_task
 from composer_jax.tasks.examples import write_example_task

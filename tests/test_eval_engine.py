@@ -18,8 +18,9 @@ from composer_jax import cli
 from composer_jax.data.tokenizer import ByteTokenizer, load_tokenizer
 from composer_jax.envs import HintContext, toy_tasks
 from composer_jax.envs.protocol import KimiFormat, PlainFormat
-from composer_jax.eval import EvalConfig, EvalError, TurnRequest, evaluate
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig, tool_format, turn_stops
+from composer_jax.agents import AgentError, TurnRequest
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig, tool_format, turn_stops
+from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.store import FIELDS
 from composer_jax.infer import GenerationError, generate, programs
 from composer_jax.infer.engine import attend_length
@@ -241,7 +242,7 @@ def test_an_episode_past_the_context_ends_unsolved(opened, tmp_path):
                            make_env=lambda: DialogueEnv(agent.fmt, (600,)))
         assert agent.engine.kept == {}   # released although the episode did not finish
         prompt = list(range(256)) * 2
-        with pytest.raises(EvalError, match="task t: its prompt of 512 tokens does not fit the agent's context "
+        with pytest.raises(AgentError, match="task t: its prompt of 512 tokens does not fit the agent's context "
                                             "\\(max_len=512\\); raise max_len"):
             agent.turn(TurnRequest("t/0", "t", 0, 0, tuple(prompt), prompt, 0))
     (record,) = _records(tmp_path / "run")
@@ -258,9 +259,9 @@ def test_a_refused_turn_is_an_error_naming_the_episode_and_frees_its_slot(opened
         first = agent.turn(TurnRequest("t/0", "t", 0, 0, tuple(prompt), prompt, 3))
         new = [300]                                                    # outside the 256-id vocabulary
         history = tuple(prompt + first.tokens + new)
-        with pytest.raises(EvalError, match="^episode t/0: prompt: token id 300 is out of the vocabulary"):
+        with pytest.raises(AgentError, match="^episode t/0: prompt: token id 300 is out of the vocabulary"):
             agent.turn(TurnRequest("t/0", "t", 0, 1, history, new, 3))
-        with pytest.raises(EvalError, match="episode t/0: 3 tokens before the new ones, the engine holds"):
+        with pytest.raises(AgentError, match="episode t/0: 3 tokens before the new ones, the engine holds"):
             agent.turn(TurnRequest("t/0", "t", 0, 1, (1, 2, 3, 4), [4], 3))
         assert len(agent.engine.kept) == 1
         agent.end_episode("t/0")
@@ -312,12 +313,12 @@ def test_format_and_stops_follow_the_tokenizer(opened, tmp_path):
     assert turn_stops(with_markers, tool_format(with_markers), (3,)) == ((3, end_id[0]), ())
     only_end = load_tokenizer(str(_special_tokenizer(tmp_path / "end.json", [END])))
     assert tool_format(only_end).name == "plain"
-    with pytest.raises(EvalError, match="chat format 'kimi' needs <.tool_calls_section_begin.>"):
+    with pytest.raises(AgentError, match="chat format 'kimi' needs <.tool_calls_section_begin.>"):
         tool_format(only_end, "kimi")     # a format the tokenizer cannot express: one line, naming a marker
     assert turn_stops(only_end, PlainFormat()) == ((only_end.encode(END)[0],), ())
     assert tool_format(ByteTokenizer()).name == "plain"
     assert turn_stops(ByteTokenizer(), PlainFormat(), (7,)) == ((7,), (END,))
-    with pytest.raises(EvalError, match=f"the tokenizer has {with_markers.vocab_size} ids, more than the model's "
+    with pytest.raises(AgentError, match=f"the tokenizer has {with_markers.vocab_size} ids, more than the model's "
                                         "vocabulary of 256"):
         EngineAgent(opened.model, with_markers, "m", EngineAgentConfig(**SHAPE))
 
@@ -350,7 +351,10 @@ def test_bad_models_and_settings_are_one_line_errors(run_dir, tmp_path, capsys):
         f"MODEL '{run_dir}': agent setting: config key 'max_slot': unknown key for EngineAgentConfig; did you mean "
         "'max_slots'?")
     assert error(run_dir, "--temperature", "-1") == (
-        f"MODEL '{run_dir}': agent setting: temperature must be >= 0 (0: greedy), got -1.0")
+        f"MODEL '{run_dir}': agent setting: config key 'temperature': must be >= 0 (0: greedy), got -1.0")
+    assert error(run_dir, "seed=3") == (
+        f"MODEL '{run_dir}': agent setting: config key 'seed': does not apply to an agent (a turn draws from its "
+        "attempt's seed (--seed)), got 3")
     assert error(run_dir, "model.moe.dispach=dense") == (
         f"MODEL '{run_dir}': agent setting: config key 'moe.dispach': unknown key for MoEConfig; did you mean "
         "'dispatch'?")

@@ -1,5 +1,5 @@
 """The run lifecycle's pieces: stop signals (first one: stop at the step boundary, status 128 + N; second:
-exit at once), the learning-rate schedule when a resumed run changes train.steps, logs cut back to the
+exit at once), the stop / save / resume loop pretraining and RL share, the learning-rate schedule when a resumed run changes train.steps, logs cut back to the
 checkpoint on resume (metrics.jsonl and TensorBoard), the skip log, plots, and run paths."""
 
 import dataclasses
@@ -17,7 +17,7 @@ import pytest
 
 from composer_jax.config import ConfigError
 from composer_jax.train.config import load_run_config
-from composer_jax.train.lifecycle import StopSignals, interrupted_line, schedule_on_resume
+from composer_jax.train.lifecycle import Lifecycle, StopSignals, interrupted_line, schedule_on_resume
 from composer_jax.train.metrics import MetricsWriter, Progress, read_metrics
 from composer_jax.train.optimizer import wsd_schedule
 
@@ -87,6 +87,50 @@ def test_stop_signals_restore_the_handlers_and_do_nothing_off_the_main_thread():
     thread.start()
     thread.join()
     assert seen == [(before, None)]
+
+
+class FakeCheckpoints:
+    """What Lifecycle uses of RunCheckpoints: the latest step, and waiting for a save."""
+
+    def __init__(self, latest):
+        self.latest, self.directory, self.waited = latest, Path("/ckpt"), 0
+
+    def latest_step(self):
+        return self.latest
+
+    def wait(self):
+        self.waited += 1
+
+
+def _steps(life, start, stop_after=None):
+    """The loop both runs drive: steps to `life.last`, a SIGTERM arriving during step `stop_after`."""
+    step = start
+    with life.running(start, notice=lambda text: None):
+        while step < life.last and not life.stop_requested():
+            step += 1
+            if step == stop_after:
+                os.kill(os.getpid(), signal.SIGTERM)
+            life.stepped(step)
+        life.finish(step)
+    return step
+
+
+def test_the_lifecycle_saves_every_n_steps_the_last_and_the_step_a_signal_stopped_after():
+    saved = []
+    life = Lifecycle(FakeCheckpoints(None), saved.append, every=3, last=7)
+    assert life.keep_through(0) == -1 and _steps(life, 0) == 7
+    assert saved == [3, 6, 7] and life.interruption(7) == {} and life.checkpoints.waited == 1
+
+    saved.clear()
+    life = Lifecycle(FakeCheckpoints(3), saved.append, every=3, last=7)   # resumed at step 3, stopped in step 5
+    assert life.resumed_from == 3 and life.keep_through(3) == 3
+    assert _steps(life, 3, stop_after=5) == 5 and saved == [5]
+    assert life.interruption(5) == {"interrupted": "SIGTERM", "exit_status": 143, "checkpoint": "/ckpt/5"}
+
+    saved.clear()
+    life = Lifecycle(FakeCheckpoints(None), saved.append, every=3, last=7)   # stopped in step 6: saved already
+    assert _steps(life, 0, stop_after=6) == 6 and saved == [3, 6]
+    assert life.interruption(6)["checkpoint"] == "/ckpt/6"
 
 
 def test_interrupted_line():

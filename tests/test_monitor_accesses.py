@@ -18,7 +18,8 @@ from composer_jax.config import from_dict
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import CodingEnv, CodingEnvConfig, TokenEpisode, get_format
 from composer_jax.envs.monitor import Monitor
-from composer_jax.eval import EvalConfig, ScriptedAgent, evaluate
+from composer_jax.agents import ScriptedAgent
+from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.eval.store import transcript_path
 from composer_jax.sandbox import FileAccess, Sandbox, SandboxUnavailable
 from composer_jax.sandbox import file_access as file_access_lib

@@ -22,12 +22,13 @@ import pytest
 from flax import nnx
 
 from composer_jax import cli
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.config import to_dict
 from composer_jax.envs import get_format, toy_tasks
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.model import CausalLM
 from composer_jax.parallel import shard_model
-from composer_jax.rl.loop import Overlap, RLTrainer
+from composer_jax.rl.loop import RLTrainer
+from composer_jax.rl.records import Overlap
 from composer_jax.rl.rollout import RolloutProducer, engine_context, group_assembler
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
@@ -70,9 +71,9 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     # The synchronous reference: the same initial model, sampler and seeds; the compiled step is reused.
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))
     tasks = parity_tasks()
-    with trainer.dual:
-        shard_model(model, trainer.dual)
-        state = trainer.rl_step.init_state(model)
+    with trainer.learner.dual:
+        shard_model(model, trainer.learner.dual)
+        state = trainer.learner.rl_step.init_state(model)
         sampler = TaskSampler(list(tasks.train), cfg.sampler)
         r = cfg.rollout
         agent = EngineAgent(model, trainer.tokenizer, "reference", EngineAgentConfig(
@@ -82,10 +83,10 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
         producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler, group_assembler(cfg, sampler), cfg)
         try:
             for step in range(steps):
-                policy = nnx.merge(trainer.rl_step.graphdef, state.params, state.biases, trainer.rl_step.rest)
+                policy = nnx.merge(trainer.learner.rl_step.graphdef, state.params, state.biases, trainer.learner.rl_step.rest)
                 agent.update_weights(agent.engine.place_weights(policy), step)
                 produced = producer.produce(step)
-                state, metrics = trainer.rl_step(state, produced.batch)
+                state, metrics = trainer.learner.rl_step(state, produced.batch)
                 metrics = jax.device_get(metrics)
                 ours = records[step]
                 assert ours["trained_draws"] == [p.draw for p in produced.trained]
@@ -267,22 +268,22 @@ def test_a_resumed_run_rebuilds_the_fixed_teacher_from_its_source(tmp_path):
                   "rollout.transport=directory")    # no in-process engine to build: none runs here
     first = RLTrainer(cfg)
     try:
-        teacher = [np.asarray(x) for x in jax.tree.leaves(first.rl_step.teacher_params)]
+        teacher = [np.asarray(x) for x in jax.tree.leaves(first.learner.rl_step.teacher_params)]
         source_params = nnx.state(open_model(source).model, nnx.Param)
         for want, got in zip(jax.tree.leaves(source_params), teacher):
             assert np.array_equal(np.asarray(want), got)
-        moved = first.state._replace(step=first.state.step + 1, params=jax.tree.map(lambda x: x * 0.5, first.state.params))
+        state = first.learner.state
+        moved = state._replace(step=state.step + 1, params=jax.tree.map(lambda x: x * 0.5, state.params))
         policy = [np.asarray(x) for x in jax.tree.leaves(moved.params)]
-        first.checkpoints.save(1, moved, {"sampler": first.sampler.state_dict(), "groups": first.groups.state_dict()},
-                               to_dict(cfg))
+        first.checkpoints.save(1, moved, first.rollouts.checkpoint_data(), to_dict(cfg))
     finally:
         first.checkpoints.close()
     second = RLTrainer(cfg)
     try:
-        assert second.resumed_from == 1 and second.version == 1
-        for want, got in zip(teacher, jax.tree.leaves(second.rl_step.teacher_params)):
+        assert second.life.resumed_from == 1 and second.learner.version == 1
+        for want, got in zip(teacher, jax.tree.leaves(second.learner.rl_step.teacher_params)):
             assert np.array_equal(want, np.asarray(got))
-        for want, got in zip(policy, jax.tree.leaves(second.state.params)):
+        for want, got in zip(policy, jax.tree.leaves(second.learner.state.params)):
             assert np.array_equal(want, np.asarray(got))
     finally:
         second.checkpoints.close()

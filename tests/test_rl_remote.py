@@ -34,7 +34,8 @@ from composer_jax.rl.exchange.npz import read_batch, read_weights, write_batch, 
 from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
 from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
                                                        learner_shardings)
-from composer_jax.rl.loop import RLTrainer, engine_states
+from composer_jax.rl.engines import engine_states
+from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler

@@ -236,7 +236,7 @@ def test_rl_from_a_transformers_checkpoint_speaks_its_tokenizer(hf_dir, tmp_path
     trainer = RLTrainer(cfg)      # the directory transport: no in-process engine to build here
     try:
         assert trainer.tokenizer.name == str(path / "tokenizer.json") and trainer.cfg.env.format == "plain"
-        for ours, theirs in zip(jax.tree.leaves(trainer.rl_step.teacher_params),
+        for ours, theirs in zip(jax.tree.leaves(trainer.learner.rl_step.teacher_params),
                                 jax.tree.leaves(nnx.state(open_model(path).model, nnx.Param))):
             np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
         task, fmt = toy_tasks("add", 1, seed=3)[0], get_format("plain")

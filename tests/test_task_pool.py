@@ -21,7 +21,7 @@ import pytest
 from composer_jax.config import ConfigError
 from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import toy_tasks
-from composer_jax.eval.agent import AgentTurn
+from composer_jax.agents import AgentTurn
 from composer_jax.rl.rollout import RolloutProducer, group_assembler
 from composer_jax.rl.run_config import EnvConfig, load_rl_config
 from composer_jax.rl.sampler import SamplerConfig, TaskSampler

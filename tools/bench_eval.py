@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from composer_jax.agents import load_agent
 from composer_jax.envs import ToyEnv, toy_tasks
-from composer_jax.eval import EvalConfig, evaluate, load_agent
+from composer_jax.eval import EvalConfig, evaluate
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import load_task
 from composer_jax.tasks.examples import write_example_task

@@ -88,7 +88,7 @@ def quartiles(values: list[float]) -> dict:
 
 
 def run_arm(out: Path, name: str, run_name: str, repo: Path, base: Path, steps: int, overrides: list[str]) -> dict:
-    from composer_jax.eval.runner import load_task_set
+    from composer_jax.agents import load_task_set
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
     from composer_jax.rl.task_sets import TaskSets

@@ -167,6 +167,10 @@ def _add_tasks(sub) -> None:
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")
     t.add_argument("out_dir", metavar="OUT_DIR")
+    _add_tasks_demos(tasks_sub)
+
+
+def _add_tasks_demos(tasks_sub) -> None:
     d = subcommand(tasks_sub, "demos", _run_tasks_demos, "write agent trajectories solving tasks (SFT data)",
                    "For every task of TASKS_DIR (a directory of task directories, or one) that "
                    "has a solution.patch, play a scripted agent in the coding environment: run "
@@ -200,7 +204,8 @@ def _add_tasks(sub) -> None:
 
 
 def _run_eval(args) -> int:
-    from composer_jax.eval import EvalConfig, EvalError, evaluate, load_agent, load_task_set, summary_table
+    from composer_jax.agents import AgentError, load_agent, load_task_set
+    from composer_jax.eval import EvalConfig, EvalError, evaluate, summary_table
     from composer_jax.sandbox import SandboxError, SandboxUnavailable, make_sandbox
     from composer_jax.tasks import TaskError
 
@@ -219,7 +224,7 @@ def _run_eval(args) -> int:
         finally:
             if hasattr(agent, "close"):   # an engine-backed agent's driver thread
                 agent.close()
-    except (EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
+    except (AgentError, EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
         print(f"composer-jax eval: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(summary_table(summary))

@@ -15,7 +15,7 @@ those in `config.signals`, flagged; a turn flagged as a loop is not also flagged
 episode ends at `submit` or after `max_turns`; the workspace is then graded with the task's tests
 (restored first), `info["task_reward"]` holds the check's reward, and the workspace is deleted (after
 `inspect(task, workspace)`, when given, has looked at it: what it returns is `info["inspection"]`, e.g.
-lint findings of the agent's changes, composer_jax.eval.lint). An episode abandoned before its end
+lint findings of the agent's changes, composer_jax.agents.lint). An episode abandoned before its end
 keeps its workspace until `close()`, the next `reset()`, or the end of a `with CodingEnv(...) as env:`
 block.
 """

@@ -6,7 +6,7 @@ imports and variables, undefined names, redefinitions, invalid syntax...), ignor
 in the repository (`--isolated`: an agent cannot silence it). A finding is identified by (file, rule,
 message), not by line, so code that merely moved is not counted: `added(before, after)` is the findings
 after beyond the count of the same identity before. The coding environment's style flag (a turn's
-edits) and evaluation's code-quality signal (an episode's changes, composer_jax.eval.lint) count here.
+edits) and evaluation's code-quality signal (an episode's changes, composer_jax.agents.lint) count here.
 """
 
 from __future__ import annotations

@@ -10,22 +10,21 @@ summary is recomputed from all the records, so it equals an uninterrupted run's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from composer_jax.envs import CodingEnv, CodingEnvConfig
-from composer_jax.eval.agent import Agent
-from composer_jax.eval.episode import attempt_seed, run_attempt
+from composer_jax.agents.episode import attempt_seed
+from composer_jax.agents.protocol import Agent
+from composer_jax.agents.task_sets import coding_env
+from composer_jax.envs import CodingEnvConfig
+from composer_jax.eval.attempt import run_attempt
 from composer_jax.eval.errors import EvalError
-from composer_jax.eval.lint import inspect_changes
 from composer_jax.eval.scores import DEFAULT_LEVEL, DEFAULT_RESAMPLES
 from composer_jax.eval.store import SUMMARY, AttemptLog, AttemptRecord, open_run, read_attempts, write_json
 from composer_jax.eval.summary import Summary, build_summary
 from composer_jax.sandbox import Sandbox, run_parallel
-from composer_jax.tasks import Task, load_task
-from composer_jax.tasks.listing import find_tasks
+from composer_jax.tasks import Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,25 +58,6 @@ class EvalConfig:
             self.coding()
         except ValueError as e:   # an unknown tool, no submit, a bad output limit
             raise EvalError(str(e)) from None
-
-
-def load_task_set(tasks_dir: str | Path) -> list[Task]:
-    """The coding tasks of TASKS_DIR (its subdirectories holding a task.json; or TASKS_DIR itself when it
-    is one task), validated, sorted by id."""
-    root = Path(tasks_dir)
-    if (root / "task.json").is_file():
-        return [load_task(root)]
-    if not root.is_dir():
-        raise EvalError(f"TASKS_DIR {root}: does not exist or is not a directory")
-    tasks = find_tasks(root)
-    if not tasks:
-        raise EvalError(f"TASKS_DIR {root}: no tasks in it (subdirectories holding a task.json)")
-    return tasks
-
-
-def coding_env(sandbox: Sandbox, fmt, config: CodingEnvConfig) -> Callable[[], CodingEnv]:
-    """Fresh CodingEnvs that lint the agent's changes after grading."""
-    return lambda: CodingEnv(sandbox, fmt, config, inspect=functools.partial(inspect_changes, sandbox))
 
 
 def run_spec(agent: Agent, task_ids: Sequence[str], config: EvalConfig) -> dict:

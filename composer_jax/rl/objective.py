@@ -129,17 +129,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
                 moe_assigned=jnp.sum(out.expert_load).astype(jnp.float32))
 
     if feedback:
-        fb = feedback_rows(batch)
-        k = batch.teacher_tokens.shape[1]
-        teacher_h = teacher_predictions(teacher, hidden, out.latents, fb, batch, cfg.teacher_context)
-        student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
-        divergence, = chunked(lambda hs, ht, y: (losses.distill_divergence(
-            model.logits(hs), teacher.logits(ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
-            cfg.loss_chunk, student_h, teacher_h, fb.tokens)
-        if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
-            divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
-        sd_mask = (fb.map >= 0).astype(jnp.float32)
-        terms["sd"] = cfg.sd_coef * losses.self_distillation_loss(divergence, sd_mask, totals.sd_tokens)
+        terms["sd"] = _self_distillation(model, teacher, hidden, out.latents, batch, weights, totals, cfg)
     if depths:
         head = sg(weight(model.lm_head, hidden.dtype))
         _, kl, accept = lm_losses.mtp_loss_sums(hidden, out.mtp_hidden, head, tokens, batch.segment_ids,
@@ -147,6 +137,23 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
         terms["mtp"] = lm_losses.depth_mean(kl, totals.mtp_targets, cfg.mtp_distill_weight)
         sums["mtp_kl"], sums["mtp_accept"] = kl, accept
     return terms, sums, maxes
+
+
+def _self_distillation(model: CausalLM, teacher: CausalLM, hidden: jax.Array, latents, batch: RolloutBatch,
+                       weights: jax.Array, totals: StepTotals, cfg: RLConfig) -> jax.Array:
+    """The targeted-feedback self-distillation term: on each flagged turn's tokens, the divergence of the
+    student (hidden [b, S, embed]) from the hinted teacher; `weights`: f32[b, S] importance weights."""
+    fb = feedback_rows(batch)
+    k = batch.teacher_tokens.shape[1]
+    teacher_h = teacher_predictions(teacher, hidden, latents, fb, batch, cfg.teacher_context)
+    student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
+    divergence, = chunked(lambda hs, ht, y: (losses.distill_divergence(
+        model.logits(hs), teacher.logits(ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
+        cfg.loss_chunk, student_h, teacher_h, fb.tokens)
+    if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
+        divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
+    sd_mask = (fb.map >= 0).astype(jnp.float32)
+    return cfg.sd_coef * losses.self_distillation_loss(divergence, sd_mask, totals.sd_tokens)
 
 
 def _combine(acc, new):

@@ -11,7 +11,7 @@ batch i only once version i - max_staleness is published, and installs the newes
 in the engine (`EngineAgent.update_weights`, in place, no recompilation) between batches, so every
 token of batch i comes from a version in [i - max_staleness, i] (each records its own version). With
 max_staleness = 0 it waits for the learner before every batch: a synchronous loop. That loop,
-`run_batches`, is also the rollout engine process's (`rl.remote_engine`), with weights from and
+`run_batches`, is also the rollout engine process's (`rl.exchange.engine_process`), with weights from and
 batches to the exchange directory instead of the learner's thread.
 
 One batch: `prompts_per_step` prompts drawn from the task sampler, `group_size` episodes each (every
@@ -39,8 +39,8 @@ from composer_jax.config import ConfigError
 from composer_jax.envs import (Monitor, Report, TokenEpisode, get_format, monitor_counts, rollout_fields,
                                teacher_windows)
 from composer_jax.envs.feedback import FLAG_KINDS, NO_ACTION
-from composer_jax.eval.engine_agent import EngineAgent, EngineAgentConfig
-from composer_jax.eval.episode import attempt_seed, play
+from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
+from composer_jax.agents.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
 from composer_jax.rl.run_config import RLRunConfig
@@ -351,70 +351,17 @@ class RolloutProducer:
         start, began = time.perf_counter(), time.time()
         before = dict(self.groups.counts)
         prompts = self.sampler.draw(self.cfg.prompts_per_step)
-        results: queue.Queue = queue.Queue()
-        running: dict[tuple[int, int], Prompt] = {}
-        in_env: dict[tuple[int, int], float] = {}     # rollouts inside their environment: since when
-        next_sample = {p.draw: self.cfg.rl.group_size for p in prompts}
-        finished: list[Rollout] = []
-        trainable: list[Group] = []
-        failures = {"rollouts_crashed": 0, "rollouts_hung": 0}
-        first_error: list[str] = []
-
-        def launch(prompt: Prompt, sample: int) -> None:
-            def run():
-                try:
-                    results.put(((prompt.draw, sample), self._episode(prompt, sample, index, in_env), None))
-                except BaseException as e:   # noqa: BLE001  (any failure of an episode loses that rollout only)
-                    results.put(((prompt.draw, sample), None, e))
-
-            running[(prompt.draw, sample)] = prompt
-            threading.Thread(target=run, name=f"rollout-{prompt.draw}-{sample}", daemon=True).start()
-
-        def lose(prompt: Prompt) -> None:
-            if self.groups.lost(prompt):
-                launch(prompt, next_sample[prompt.draw])
-                next_sample[prompt.draw] += 1
-
-        for prompt in prompts:
-            self.groups.open(prompt)
-            for sample in range(self.cfg.rl.group_size):
-                launch(prompt, sample)
-        while running:
-            if self._stop.is_set():
-                return None
-            try:
-                key, rollout, error = results.get(timeout=POLL_S)
-            except queue.Empty:
-                now = time.perf_counter()
-                for key, since in list(in_env.items()):
-                    if key in running and now - since > self.cfg.rollout.timeout_s:   # hung: abandoned, slot released
-                        prompt = running.pop(key)
-                        failures["rollouts_hung"] += 1
-                        self.agent.end_episode(f"{key[0]}/{key[1]}")
-                        lose(prompt)
-                continue
-            if key not in running:       # finished after it was given up
-                continue
-            prompt = running.pop(key)
-            if error is not None:
-                failures["rollouts_crashed"] += 1
-                first_error.append(f"{type(error).__name__}: {error}")
-                lose(prompt)
-                continue
-            finished.append(rollout)
-            group = self.groups.add(prompt, Sample(rollout.reward, rollout.episode.info["task_reward"], rollout))
-            if group is not None:
-                trainable.append(group)
-        if not finished:
-            raise RuntimeError(f"every rollout of batch {index} was lost; the first: "
-                               f"{first_error[0] if first_error else 'timed out'}")
+        groups = GroupPlay(self, prompts, index)
+        if not groups.play(self._stop):
+            return None
+        trainable, finished = groups.trainable, groups.finished
         trainable.sort(key=lambda g: g.prompt.draw)
         batch, versions = assemble(trainable, self.cfg)
         finished.sort(key=lambda x: (x.prompt.draw, x.sample))
         wall = time.perf_counter() - start
         metrics = rollout_metrics(finished, self.cfg.sampler.pass_threshold, wall, self.cfg.teacher_slots,
                                   self.cfg.rollout.feedback_window)
-        metrics.update({f"groups_{k}": float(self.groups.counts[k] - before[k]) for k in COUNTS}, **failures)
+        metrics.update({f"groups_{k}": float(self.groups.counts[k] - before[k]) for k in COUNTS}, **groups.failures)
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
@@ -424,3 +371,81 @@ class RolloutProducer:
                              [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics,
                              [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),
                              self.groups.state_dict(), (began, time.time()))
+
+
+class GroupPlay:
+    """The episodes of one batch: `group_size` of each prompt, each in its own thread. A lost one (it
+    raised, or its environment hung past `rollout.timeout_s`) is played again or its group dropped, as
+    the group assembler says; each finished one joins its group, and a complete group is trainable."""
+
+    def __init__(self, producer: RolloutProducer, prompts: list[Prompt], index: int):
+        self.producer, self.index = producer, index
+        self.results: queue.Queue = queue.Queue()
+        self.running: dict[tuple[int, int], Prompt] = {}
+        self.in_env: dict[tuple[int, int], float] = {}     # rollouts inside their environment: since when
+        self.next_sample = {p.draw: producer.cfg.rl.group_size for p in prompts}
+        self.finished: list[Rollout] = []
+        self.trainable: list[Group] = []
+        self.failures = {"rollouts_crashed": 0, "rollouts_hung": 0}
+        self.first_error: list[str] = []
+        for prompt in prompts:
+            producer.groups.open(prompt)
+            for sample in range(producer.cfg.rl.group_size):
+                self.launch(prompt, sample)
+
+    def launch(self, prompt: Prompt, sample: int) -> None:
+        def run():
+            try:
+                result = self.producer._episode(prompt, sample, self.index, self.in_env)
+                self.results.put(((prompt.draw, sample), result, None))
+            except BaseException as e:   # noqa: BLE001  (any failure of an episode loses that rollout only)
+                self.results.put(((prompt.draw, sample), None, e))
+
+        self.running[(prompt.draw, sample)] = prompt
+        threading.Thread(target=run, name=f"rollout-{prompt.draw}-{sample}", daemon=True).start()
+
+    def lose(self, prompt: Prompt) -> None:
+        if self.producer.groups.lost(prompt):
+            self.launch(prompt, self.next_sample[prompt.draw])
+            self.next_sample[prompt.draw] += 1
+
+    def abandon_hung(self) -> None:
+        """Give up the rollouts inside their environment for longer than the timeout (their slots go)."""
+        now = time.perf_counter()
+        for key, since in list(self.in_env.items()):
+            if key in self.running and now - since > self.producer.cfg.rollout.timeout_s:
+                prompt = self.running.pop(key)
+                self.failures["rollouts_hung"] += 1
+                self.producer.agent.end_episode(f"{key[0]}/{key[1]}")
+                self.lose(prompt)
+
+    def receive(self, key: tuple[int, int], rollout: Rollout | None, error: BaseException | None) -> None:
+        if key not in self.running:       # finished after it was given up
+            return
+        prompt = self.running.pop(key)
+        if error is not None:
+            self.failures["rollouts_crashed"] += 1
+            self.first_error.append(f"{type(error).__name__}: {error}")
+            self.lose(prompt)
+            return
+        self.finished.append(rollout)
+        group = self.producer.groups.add(prompt, Sample(rollout.reward, rollout.episode.info["task_reward"], rollout))
+        if group is not None:
+            self.trainable.append(group)
+
+    def play(self, stop: threading.Event) -> bool:
+        """Until every episode finished or was lost (False: `stop` was set meanwhile); an error when every
+        rollout was lost."""
+        while self.running:
+            if stop.is_set():
+                return False
+            try:
+                item = self.results.get(timeout=POLL_S)
+            except queue.Empty:
+                self.abandon_hung()
+                continue
+            self.receive(*item)
+        if not self.finished:
+            raise RuntimeError(f"every rollout of batch {self.index} was lost; the first: "
+                               f"{self.first_error[0] if self.first_error else 'timed out'}")
+        return True

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from composer_jax.agents.task_sets import coding_env, load_task_set
 from composer_jax.config import ConfigError
 from composer_jax.envs import ToyEnv, get_format, toy_tasks
 from composer_jax.rl.run_config import EnvConfig
@@ -39,12 +40,9 @@ def toy_task_sets(cfg: EnvConfig, seed: int) -> TaskSets:
 
 
 def _coding_tasks(directory: str, key: str) -> list:
-    from composer_jax.eval.errors import EvalError
-    from composer_jax.eval.runner import load_task_set
-
     try:
         return load_task_set(directory)
-    except (EvalError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:     # AgentError, TaskError
         raise ConfigError(key, str(e).splitlines()[0]) from None
 
 
@@ -63,7 +61,6 @@ def make_coding_tasks(cfg: EnvConfig, out_dir: Path, seed: int) -> None:
 
 
 def coding_task_sets(cfg: EnvConfig, run_dir: Path, seed: int) -> TaskSets:
-    from composer_jax.eval.runner import coding_env
     from composer_jax.sandbox import Sandbox
 
     if cfg.tasks_dir:

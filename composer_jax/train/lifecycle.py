@@ -17,6 +17,10 @@ checkpoint as the latest).
 Starting again: the logs are cut back to the checkpoint (`metrics.MetricsWriter(keep_through=...)`), and
 a different `train.steps` than the checkpointed run planned is an explicit choice about the learning-rate
 schedule (`schedule_on_resume`).
+
+`Lifecycle` is the one loop of stop, save and resume both `train.loop` and `rl.loop` run: it restores
+the latest checkpoint, saves every `checkpoint.every` steps and at the last, turns a signal into a stop
+that every process of a group agrees on, saves the step it stopped after, and says so in the summary.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import shlex
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from composer_jax.config import ConfigError
 from composer_jax.train.config import RunConfig
@@ -84,6 +88,72 @@ def interruption(stop: StopSignals, checkpoint: str | None) -> dict:
     signum = stop.requested or signal.SIGTERM
     return {"interrupted": stop.name or "a signal to another process", "exit_status": exit_status(signum),
             "checkpoint": checkpoint}
+
+
+class Lifecycle:
+    """A run's stop, save and resume around its step loop:
+
+        life = Lifecycle(checkpoints, save, every=cfg.checkpoint.every, last=steps)
+        state, data = life.resume(abstract)          # when life.resumed_from is not None
+        with life.running(start, progress.note):
+            while step < last and not life.stop_requested():
+                ...; step += 1; life.stepped(step)   # saves every `every` steps and at `last`
+            life.finish(step)                        # saves the step a signal stopped after; waits for the save
+        summary.update(life.interruption(step))
+
+    `save(step)`: writes the run's checkpoint of `step` (its state and data state)."""
+
+    def __init__(self, checkpoints, save: Callable[[int], None], every: int, last: int):
+        self.checkpoints, self._save, self.every, self.last = checkpoints, save, every, last
+        self.resumed_from: int | None = checkpoints.latest_step()
+        self.saved, self.start, self.stopping, self._signals = self.resumed_from, None, False, None
+
+    def resume(self, abstract) -> tuple[Any, dict]:
+        """(state, data state) of the latest checkpoint, on `abstract`'s shardings, once its model is
+        checked against `abstract`'s (a ConfigError naming run_dir when they differ)."""
+        self.checkpoints.check_model(abstract, "run_dir")
+        return self.checkpoints.restore(abstract)
+
+    def keep_through(self, start: int) -> int:
+        """The last step whose metrics lines a run starting at `start` keeps (-1: a fresh run keeps none)."""
+        return -1 if self.resumed_from is None else start
+
+    def running(self, start: int, notice: Callable[[str], None] | None = None) -> StopSignals:
+        """The loop's context, from step `start`: signals become stop requests (`notice` says so)."""
+        self.start, self._signals = start, StopSignals(notice)
+        return self._signals
+
+    def stop_requested(self, agree: bool = True) -> bool:
+        """Whether to stop now: a signal was received (alone), or by any process of a group, which agree
+        only where every process calls this with `agree` (a collective), so all stop after the same step."""
+        import jax   # imported only here: this module is the CLI's too
+
+        from composer_jax.parallel.distributed import any_process
+
+        requested = self._signals.requested is not None
+        self.stopping = requested if jax.process_count() == 1 else agree and any_process(requested)
+        return self.stopping
+
+    def stepped(self, step: int) -> None:
+        """After step `step`: its checkpoint, every `every` steps and at the last."""
+        if step % self.every == 0 or step == self.last:
+            self._save(step)
+            self.saved = step
+
+    def finish(self, step: int) -> None:
+        """At the loop's end: a stopped run saves the step it stopped after (when it trained one since
+        its start); then waits until the last save is committed (while a signal still only asks to stop)."""
+        if self.stopping and step > self.start and self.saved != step:
+            self._save(step)
+            self.saved = step
+        self.checkpoints.wait()
+
+    def interruption(self, step: int) -> dict:
+        """The summary entries of a run a signal stopped before its last step (`interruption`), else none."""
+        if not (self.stopping and step < self.last):
+            return {}
+        checkpoint = None if self.saved is None else str(self.checkpoints.directory / str(self.saved))
+        return interruption(self._signals, checkpoint)
 
 
 def interrupted_line(command: str, signal_name: str, step: int, checkpoint: str | None, argv) -> str:

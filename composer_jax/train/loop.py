@@ -35,14 +35,14 @@ from composer_jax.model_dirs import run_chat_setup, source_for, write_chat
 from composer_jax.source_weights import load_state
 from composer_jax.model.accounting import model_info
 from composer_jax.parallel import DualMesh
-from composer_jax.parallel.distributed import any_process, process_major_devices
+from composer_jax.parallel.distributed import process_major_devices
 from composer_jax.parallel.mesh import BATCH_AXES
 from composer_jax.train import metrics as metrics_lib
 from composer_jax.train import step as step_lib
 from composer_jax.train.batches import Batches
 from composer_jax.train.checkpoints import RunCheckpoints
 from composer_jax.train.config import RunConfig, to_dict
-from composer_jax.train.lifecycle import StopSignals, interruption, schedule_on_resume
+from composer_jax.train.lifecycle import Lifecycle, schedule_on_resume
 from composer_jax.train.state import StateLayout, TrainState
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
         try:
-            self.resumed_from = self.checkpoints.latest_step()
+            self.life = Lifecycle(self.checkpoints, self.save, cfg.checkpoint.every, cfg.train.steps)
+            self.resumed_from = self.life.resumed_from
             self.source = None
             if self.resumed_from is not None:
                 cfg, change = schedule_on_resume(cfg, self.checkpoints.config(self.resumed_from), self.resumed_from)
@@ -108,8 +109,7 @@ class Trainer:
 
     def _initial_state(self) -> TrainState:
         if self.resumed_from is not None:
-            self.checkpoints.check_model(self.layout.abstract, "run_dir")
-            state, data_state = self.checkpoints.restore(self.layout.abstract)
+            state, data_state = self.life.resume(self.layout.abstract)
             self.batches.restore(data_state)
             log.info("resuming from checkpoint %s (step %d of %d)", self.checkpoints.directory / str(self.resumed_from),
                      self.resumed_from, self.cfg.train.steps)
@@ -148,7 +148,7 @@ class Trainer:
             return metrics_lib.MetricsWriter(None)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         write_chat(self.run_dir, self.chat, self.batches.tokenizer)   # the run opens as a model source
-        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=-1 if self.resumed_from is None else start)
+        writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=self.life.keep_through(start))
         if writer.dropped:
             where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"
             log.info("dropped %d metrics records logged %s", writer.dropped, where)
@@ -173,15 +173,7 @@ class Trainer:
         has_eval = self.batches.eval_data is not None
         summary = {"start_step": start, "steps": tc.steps, "skip_file": str(self.skip_file)}
         t_begin = time.perf_counter()
-        pending, step, saved = [], start, self.resumed_from
-        in_group = jax.process_count() > 1
-
-        def should_stop(log_point: bool) -> bool:
-            """A signal was received (alone), or by any process of the group: they agree at log points
-            only, so that all stop after the same step."""
-            if not in_group:
-                return stop.requested is not None
-            return log_point and any_process(stop.requested is not None)
+        pending, step, life = [], start, self.life
 
         def log_pending():
             host = jax.device_get([m for _, m in pending])
@@ -203,13 +195,14 @@ class Trainer:
             progress.write(f"step {at}: held-out loss {ev['eval_loss']:.4f}")
 
         try:
-            with StopSignals(progress.note) as stop, self.dual:
+            with life.running(start, progress.note), self.dual:
                 if has_eval and start == 0:
                     progress.status("held-out eval (compiling)")
                     evaluate(0)
                 progress.status("compiling the train step")
                 throughput.restart()
-                stopping = should_stop(False)
+                # In a group the processes agree on stopping at log points only.
+                stopping = life.stop_requested(agree=False)
                 while step < tc.steps and not stopping:
                     step += 1
                     self.state, m = self.step_fn(self.state, self.batches.next())
@@ -221,28 +214,19 @@ class Trainer:
                         summary["first_step_s"] = throughput.first_step_s
                     else:
                         throughput.count()
-                    if step % cfg.checkpoint.every == 0 or step == tc.steps:
-                        self.save(step)
-                        saved = step
+                    life.stepped(step)
                     logged = step % tc.log_every == 0 or step == tc.steps
                     if logged:
                         log_pending()
-                    stopping = should_stop(logged)
+                    stopping = life.stop_requested(agree=logged)
                     if has_eval and (step % tc.eval_every == 0 or step == tc.steps) and not stopping:
                         evaluate(step)
                         throughput.restart()
-                if stopping:  # log and save the steps taken since the last log and checkpoint
-                    if pending:
-                        log_pending()
-                    if step > start and saved != step:
-                        self.save(step)
-                        saved = step
-                self.checkpoints.wait()  # committed while a signal still only asks to stop
+                if stopping and pending:  # log the steps taken since the last log (finish saves the last one)
+                    log_pending()
+                life.finish(step)
             summary.update(wall_s=time.perf_counter() - t_begin, skipped_steps=int(jax.device_get(self.state.skipped)),
-                           skipped_records=self.batches.skips.summary(), end_step=step)
-            if stopping and step < tc.steps:
-                checkpoint = None if saved is None else str(self.checkpoints.directory / str(saved))
-                summary.update(interruption(stop, checkpoint))
+                           skipped_records=self.batches.skips.summary(), end_step=step, **life.interruption(step))
         finally:
             progress.close()
             writer.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from composer_jax.envs.lint import LintError, added, changed_files, lint
 from composer_jax.envs.tools import truncate
-from composer_jax.eval.errors import EvalError
+from composer_jax.agents.errors import AgentError
 from composer_jax.sandbox import Sandbox
 from composer_jax.tasks import Task
 from composer_jax.tasks.workspace import unified_diff
@@ -57,7 +57,7 @@ def lint_findings(sandbox: Sandbox, original: Path, workspace: Path, files: list
     try:
         found = lint(sandbox, sides)
     except LintError as e:
-        raise EvalError(f"lint: {e}") from None
+        raise AgentError(f"lint: {e}") from None
     new = added(found["before"], found["after"])
     return {"before": len(found["before"]), "after": len(found["after"]), "added": len(new),
             "added_findings": sorted(f"{f.file}: {f.rule} {f.message}" for f in new)}

@@ -29,37 +29,41 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from composer_jax import config as config_lib
+from composer_jax.agents.errors import AgentError
+from composer_jax.agents.protocol import AgentTurn, ContextFull, TurnRequest
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.data.chat import format_for
 from composer_jax.data.tokenizer import ByteTokenizer, Tokenizer
 from composer_jax.envs.protocol import FORMATS, ToolFormat, get_format
-from composer_jax.eval.agent import AgentTurn, ContextFull, TurnRequest
-from composer_jax.eval.errors import EvalError
 from composer_jax.infer import Completion, Engine, GenerationError, SamplingParams
+from composer_jax.infer.config import GenerateConfig
 
 MAX_LEN_CAP = 32768   # the default context when the model allows more (the cache is max_slots x max_len)
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineAgentConfig:
-    temperature: float = 1.0        # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # 0: no limit
+class EngineAgentConfig(GenerateConfig):
+    """`composer-jax generate`'s settings (their checks included) with an agent's defaults and its
+    tool-call format. Three of them do not apply to an agent and must keep their defaults: a turn
+    draws from its attempt's seed (`seed`), ends at the format's end of turn (`stop`), and decodes
+    without speculation (`speculative`)."""
+
     max_new_tokens: int = 1024      # per assistant turn
-    max_len: int = 0                # context per episode (cache positions); 0: the model's, at most MAX_LEN_CAP
     max_slots: int = 8              # episodes decoding at once (more workers queue)
-    steps_per_call: int = 8         # decode steps per engine call
+    max_len: int = 0                # context per episode (cache positions); 0: the model's, at most MAX_LEN_CAP
     format: str = ""                # tool-call format; "": kimi if the tokenizer has its special tokens, else plain
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "max_slots", "steps_per_call"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.max_len < 0:
-            raise ConfigError("max_len", f"must be >= 0 (0: the model's), got {self.max_len}")
+        super().__post_init__()
+        if not self.max_slots:
+            raise ConfigError("max_slots", "must be > 0, got 0")
+        for name, meaning in (("seed", "a turn draws from its attempt's seed (--seed)"),
+                              ("stop", "a turn ends at the format's end of turn"),
+                              ("speculative", "the engine agent decodes without speculation")):
+            if getattr(self, name):
+                raise ConfigError(name, f"does not apply to an agent ({meaning}), got {getattr(self, name)!r}")
         if self.format and self.format not in FORMATS:
             raise ConfigError("format", f"must be one of {', '.join(FORMATS)} or empty, got {self.format!r}")
-        SamplingParams(self.temperature, self.top_p, self.top_k)   # its checks, ValueError naming the field
 
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, seed % 2**32)
@@ -67,12 +71,12 @@ class EngineAgentConfig:
 
 def tool_format(tokenizer: Tokenizer, choice: str = "") -> ToolFormat:
     """The format `choice` names, or kimi when every Kimi marker is one token of `tokenizer` (a real Kimi
-    checkpoint), else plain `<tool_call>` text (`composer_jax.data.chat.format_for`); an EvalError when
+    checkpoint), else plain `<tool_call>` text (`composer_jax.data.chat.format_for`); an AgentError when
     `choice` needs markers the tokenizer splits."""
     try:
         return get_format(format_for(tokenizer, choice))
     except ValueError as e:
-        raise EvalError(str(e)) from None
+        raise AgentError(str(e)) from None
 
 
 def turn_stops(tokenizer: Tokenizer, fmt: ToolFormat, eos_ids: Sequence[int] = ()) -> tuple[tuple[int, ...],
@@ -105,9 +109,9 @@ class EngineAgent:
         limit = model.cfg.rope.max_position_embeddings
         max_len = config.max_len or min(limit, MAX_LEN_CAP)
         if max_len > limit:
-            raise EvalError(f"max_len={max_len} exceeds the model's {limit} positions (rope.max_position_embeddings)")
+            raise AgentError(f"max_len={max_len} exceeds the model's {limit} positions (rope.max_position_embeddings)")
         if tokenizer.vocab_size > model.cfg.vocab_size:
-            raise EvalError(f"{name}: the tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
+            raise AgentError(f"{name}: the tokenizer has {tokenizer.vocab_size} ids, more than the model's vocabulary "
                             f"of {model.cfg.vocab_size}")
         self.name, self.config, self.tokenizer = name, config, tokenizer
         self.trained_with = dict(trained_with or {})   # the model's recorded agent settings (model_dirs.Chat.agent)
@@ -118,7 +122,7 @@ class EngineAgent:
                                  steps_per_call=config.steps_per_call, eos_ids=self.stop_tokens,
                                  detokenize=lambda ids: tokenizer.decode(ids))
         except GenerationError as e:
-            raise EvalError(f"{name}: {e}") from None
+            raise AgentError(f"{name}: {e}") from None
         self.settings = {"temperature": config.temperature, "top_p": config.top_p, "top_k": config.top_k,
                          "max_new_tokens": config.max_new_tokens, "max_len": max_len, "format": self.fmt.name,
                          **(pinned or {})}
@@ -143,13 +147,13 @@ class EngineAgent:
             held = None
         total, room = len(request.tokens), self.engine.max_len - len(request.tokens)
         if held is None and request.turn:
-            raise EvalError(f"episode {request.episode}: turn {request.turn} of an episode this agent did not start")
+            raise AgentError(f"episode {request.episode}: turn {request.turn} of an episode this agent did not start")
         if held is not None and total - len(request.new_tokens) != held.length:
-            raise EvalError(f"episode {request.episode}: {total - len(request.new_tokens)} tokens before the new ones, "
+            raise AgentError(f"episode {request.episode}: {total - len(request.new_tokens)} tokens before the new ones, "
                             f"the engine holds {held.length}: the episode must pass on the turns as generated")
         if room <= 0:
             if held is None:
-                raise EvalError(f"task {request.task}: its prompt of {total} tokens does not fit the agent's context "
+                raise AgentError(f"task {request.task}: its prompt of {total} tokens does not fit the agent's context "
                                 f"(max_len={self.engine.max_len}); raise max_len")
             raise ContextFull(f"{total} tokens fill the context (max_len={self.engine.max_len})")
         future: Future = Future()
@@ -159,7 +163,7 @@ class EngineAgent:
         try:
             completion: Completion = future.result()
         except GenerationError as e:   # refused: the previous request is still kept
-            raise EvalError(f"episode {request.episode}: {e}") from None
+            raise AgentError(f"episode {request.episode}: {e}") from None
         self._episodes[request.episode] = _Episode(completion.request_id, total + len(completion.tokens))
         return AgentTurn(list(completion.tokens), list(completion.behaviour_logprobs), list(completion.versions))
 
@@ -210,9 +214,9 @@ class EngineAgent:
         """Queue `command` for the driver; `answers`: the future it settles (failed if it never runs)."""
         with self._wake:
             if self._failure is not None:
-                raise EvalError(f"{self.name}: the engine failed earlier: {self._failure}")
+                raise AgentError(f"{self.name}: the engine failed earlier: {self._failure}")
             if self._closing:
-                raise EvalError(f"{self.name}: the agent is closed")
+                raise AgentError(f"{self.name}: the agent is closed")
             self._inbox.append((command, answers))
             self._wake.notify()
 
@@ -263,9 +267,9 @@ class EngineAgent:
                 self._waiting.pop(update.request_id).set_result(update.finished)
 
 
-def _load_error(spec: str, e: BaseException) -> EvalError:
+def _load_error(spec: str, e: BaseException) -> AgentError:
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return EvalError(f"MODEL {spec!r}: does not load: {text}")
+    return AgentError(f"MODEL {spec!r}: does not load: {text}")
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")   # agent settings a run records that sample
@@ -288,7 +292,7 @@ def open_engine_agent(spec: str, *, temperature: float | None = None, overrides:
             agent_overrides.append(f"temperature={temperature}")
         config_lib.apply_overrides(EngineAgentConfig, {}, agent_overrides)
     except ValueError as e:   # ConfigError
-        raise EvalError(f"MODEL {spec!r}: agent setting: {e}") from None
+        raise AgentError(f"MODEL {spec!r}: agent setting: {e}") from None
     try:
         opened = open_model(spec, model_overrides)
     except (ValueError, OSError) as e:   # CheckpointError, ConfigError, TokenizerError, FileNotFoundError
@@ -301,11 +305,11 @@ def open_engine_agent(spec: str, *, temperature: float | None = None, overrides:
         config = config_lib.from_dict(EngineAgentConfig, config_lib.apply_overrides(EngineAgentConfig, defaults,
                                                                                     agent_overrides))
     except ValueError as e:   # ConfigError, or SamplingParams' check
-        raise EvalError(f"MODEL {spec!r}: agent setting: {e}") from None
+        raise AgentError(f"MODEL {spec!r}: agent setting: {e}") from None
     tokenizer = opened.tokenizer
     if tokenizer is None:
         if opened.model.cfg.vocab_size != ByteTokenizer.vocab_size:
-            raise EvalError(f"MODEL {spec!r}: no tokenizer (tokenizer.json or tiktoken.model) and a vocabulary of "
+            raise AgentError(f"MODEL {spec!r}: no tokenizer (tokenizer.json or tiktoken.model) and a vocabulary of "
                             f"{opened.model.cfg.vocab_size} ids, not byte-level")
         tokenizer = ByteTokenizer()
     return EngineAgent(opened.model, tokenizer, opened.description, config, eos_ids=opened.eos_ids,

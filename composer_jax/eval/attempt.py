@@ -1,29 +1,21 @@
-"""One attempt: an agent plays one episode of a task, token-in token-out; its record and transcript.
+"""One attempt of an evaluation: an agent plays a task once (composer_jax.agents.episode); its record
+and transcript.
 
-The episode is a composer_jax.envs.TokenEpisode: the agent's ids go in as generated, observations are
-encoded once, and the history is never re-tokenized. The transcript keeps those ids with each turn's
-span, flags, decoded text and weight versions, the behaviour log-probs, the grading and, for coding
-tasks, the agent's diff and lint findings, and, when the environment records what commands open
-(`record_file_access`), the reward-hacking monitor's report. An agent out of context (`ContextFull`) ends the attempt
-unsolved and ungraded: reward 0, status 'context_full'.
+The transcript keeps the episode's ids with each turn's span, flags, decoded text and weight versions,
+the behaviour log-probs, the grading and, for coding tasks, the agent's diff and lint findings, and,
+when the environment records what commands open (`record_file_access`), the reward-hacking monitor's
+report. An agent out of context ends the attempt unsolved and ungraded: reward 0, status 'context_full'.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
+from composer_jax.agents.episode import play
+from composer_jax.agents.protocol import Agent
 from composer_jax.envs import Monitor, TokenEpisode
-from composer_jax.eval.agent import Agent, ContextFull, TurnRequest
 from composer_jax.eval.store import AttemptRecord, transcript_path, write_json
-
-
-def attempt_seed(seed: int, task: str, sample: int) -> int:
-    """The attempt's sampling seed: a function of the run seed, the task and the sample only (not of
-    which worker runs it, or when)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{task}/{sample}".encode()).digest()[:4], "little")
-
 
 CONTEXT_FULL = "context_full"
 
@@ -40,20 +32,6 @@ def _transcript(agent: Agent, episode: TokenEpisode, info: dict, record: Attempt
         "check": info.get("check"), "inspection": info.get("inspection"),
         "text": decode(episode.tokens), "tokens": list(episode.tokens), "logprobs": list(episode.logprobs),
     }
-
-
-def play(agent: Agent, episode: TokenEpisode, task, key: str, sample: int, seed: int, versions: list) -> None:
-    """Start `episode` on `task` and let `agent` write its turns (as episode `key`) until it ends, or until
-    the agent's context runs out (`ContextFull`: the episode is cut, unsolved: `TokenEpisode.cut`);
-    appends each turn's per-token weight versions to `versions`. The caller ends the agent's episode."""
-    new = episode.start(task).tolist()
-    try:
-        while not episode.done:
-            turn = agent.turn(TurnRequest(key, task.id, sample, len(episode.turns), tuple(episode.tokens), new, seed))
-            versions.append(turn.versions)
-            new = episode.step(turn.tokens, turn.logprobs)[0].tolist()
-    except ContextFull:
-        episode.cut()
 
 
 def run_attempt(agent: Agent, env, task, sample: int, seed: int, run_dir: Path) -> AttemptRecord:
