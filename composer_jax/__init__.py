@@ -54,8 +54,8 @@ def from_pretrained(path, overrides=(), *, rngs_seed: int = 0, strict: bool = Tr
     check_tensors(source, leaves, 0 if fresh else cfg.mtp.num_layers, strict)
     values = read_leaves(source, leaves)
     if fresh:  # not in the checkpoint: keep a fresh init
-        for path, value in nnx.to_flat_state(nnx.state(MTP(cfg, rngs=nnx.Rngs(rngs_seed)))):
-            values[("mtp",) + tuple(str(p) for p in path)] = np.asarray(value.get_value())
+        for key, value in nnx.to_flat_state(nnx.state(MTP(cfg, rngs=nnx.Rngs(rngs_seed)))):
+            values[("mtp",) + tuple(str(p) for p in key)] = np.asarray(value.get_value())
     for key, var in flat.items():
         var.set_value(jnp.asarray(values[names[key]]))
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
