@@ -77,6 +77,24 @@ def step_totals(batch: RolloutBatch, cfg: RLConfig, depths: int) -> StepTotals:
                       mtp_targets)
 
 
+def _self_distillation_term(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, hidden: jax.Array, latents,
+                            weights: jax.Array, totals: StepTotals, cfg: RLConfig) -> jax.Array:
+    """The self-distillation term f32[] of the feedback rows: the student's predictions of the flagged turns
+    against the teacher's (which sees the feedback). `hidden`: the student's whole rows [b, seq, embed];
+    `latents`: its MLA latents (the teacher's prefix context); `weights`: importance weights f32[b, seq]."""
+    fb = feedback_rows(batch)
+    k = batch.teacher_tokens.shape[1]
+    teacher_h = teacher_predictions(teacher, hidden, latents, fb, batch, cfg.teacher_context)
+    student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
+    divergence, = chunked(lambda hs, ht, y: (losses.distill_divergence(
+        model.logits(hs), teacher.logits(ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
+        cfg.loss_chunk, student_h, teacher_h, fb.tokens)
+    if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
+        divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
+    sd_mask = (fb.map >= 0).astype(jnp.float32)
+    return cfg.sd_coef * losses.self_distillation_loss(divergence, sd_mask, totals.sd_tokens)
+
+
 def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantages: jax.Array, totals: StepTotals,
                cfg: RLConfig):
     """One micro-batch's share of the objective, from one student forward and one teacher forward.
@@ -129,17 +147,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
                 moe_assigned=jnp.sum(out.expert_load).astype(jnp.float32))
 
     if feedback:
-        fb = feedback_rows(batch)
-        k = batch.teacher_tokens.shape[1]
-        teacher_h = teacher_predictions(teacher, hidden, out.latents, fb, batch, cfg.teacher_context)
-        student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
-        divergence, = chunked(lambda hs, ht, y: (losses.distill_divergence(
-            model.logits(hs), teacher.logits(ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
-            cfg.loss_chunk, student_h, teacher_h, fb.tokens)
-        if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
-            divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
-        sd_mask = (fb.map >= 0).astype(jnp.float32)
-        terms["sd"] = cfg.sd_coef * losses.self_distillation_loss(divergence, sd_mask, totals.sd_tokens)
+        terms["sd"] = _self_distillation_term(model, teacher, batch, hidden, out.latents, weights, totals, cfg)
     if depths:
         head = sg(weight(model.lm_head, hidden.dtype))
         _, kl, accept = lm_losses.mtp_loss_sums(hidden, out.mtp_hidden, head, tokens, batch.segment_ids,
