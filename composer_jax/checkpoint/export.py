@@ -86,10 +86,9 @@ def _write_rows(store, leaf, t, index, start, stop, out_dtype, targets) -> None:
 
 
 def export(src: str | Path, dst: str | Path, *, params_of: ParamsOf, cfg: ModelConfig | None = None,
-           dtype: str | None = None,
-           max_shard_bytes: int = 5 << 30, workers: int | None = None, chunk_bytes: int = 64 << 20,
-           overwrite: bool = False, restart: bool = False, progress: bool = False, mtp: bool = True,
-           beside: Callable[[Path], int | None] | None = None) -> dict:
+           dtype: str | None = None, max_shard_bytes: int = 5 << 30, workers: int | None = None,
+           chunk_bytes: int = 64 << 20, overwrite: bool = False, restart: bool = False, progress: bool = False,
+           mtp: bool = True, beside: Callable[[Path], int | None] | None = None) -> dict:
     """Export converted model directory `src` (or a training checkpoint step `<run>/checkpoints/<step>`,
     or a bare orbax params checkpoint with `cfg`) to `dst`. `beside(directory)` writes more files into the
     output before it is committed and returns the EOS id for config.json, if it knows one.
