@@ -320,6 +320,7 @@ def export_model(src: str | Path, dst: str | Path, **options) -> dict:
     model's tokenizer files and chat template beside the weights (`write_hf_chat`)."""
     from composer_jax.checkpoint.export import export
     from composer_jax.checkpoint.orbax_io import MODEL_CONFIG
+    from composer_jax.model import abstract_params
 
     src = Path(src).expanduser().absolute()
     chat, params = None, src
@@ -330,4 +331,27 @@ def export_model(src: str | Path, dst: str | Path, **options) -> dict:
     elif src.parent.name == "checkpoints" and (src.parent.parent / "config.yaml").is_file():
         chat = run_chat(src.parent.parent) or open_source(src.parent.parent).chat
     beside = (lambda directory: write_hf_chat(directory, chat).eos_id) if chat is not None and chat.tokenizer else None
-    return export(params, dst, beside=beside, **options)
+    return export(params, dst, params_of=abstract_params, beside=beside, **options)
+
+
+def load_converted(directory: str | Path, overrides=(), *, shardings=None):
+    """A converted model directory restored into `CausalLM` with orbax (`checkpoint.orbax_io.restore_params`).
+
+    `overrides`: ModelConfig changes that keep parameter shapes (e.g. `moe.dispatch=dense`).
+    `shardings`: None (first device), or an nnx.State / nested dict of shardings, or a function of the
+    abstract nnx.State returning one (e.g. `lambda s: parallel.param_shardings(s, dual_mesh)`).
+    """
+    from flax import nnx
+
+    from composer_jax.checkpoint.hf_config import eos_token_ids
+    from composer_jax.checkpoint.orbax_io import HF_FILES, model_config, restore_params
+    from composer_jax.model import CausalLM
+
+    cfg = model_config(directory, overrides)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+    nnx.replace_by_pure_dict(state, restore_params(directory, nnx.to_pure_dict(state),
+                                                   shardings(state) if callable(shardings) else shardings))
+    model = nnx.merge(graphdef, state)
+    if (Path(directory) / HF_FILES).is_dir():  # the source checkpoint's EOS ids, as from_pretrained sets them
+        model.eos_token_ids = eos_token_ids(Path(directory) / HF_FILES)
+    return model

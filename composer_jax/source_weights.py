@@ -47,10 +47,11 @@ def _readers(source: ModelSource, cfg: ModelConfig, targets: dict, load_mtp: int
     """{path: slice reader} for every target leaf the source supplies, checked against it first."""
     if source.kind == "hf":
         from composer_jax.checkpoint.hf import check_tensors, open_hf, plan_leaves
+        from composer_jax.model import abstract_params
 
         hf = open_hf(source.path, [f"mtp.num_layers={load_mtp}"])
         load_cfg = dataclasses.replace(cfg, mtp=dataclasses.replace(cfg.mtp, num_layers=load_mtp))
-        leaves = {leaf.path: leaf for leaf in plan_leaves(load_cfg, source.hf_prefix)}
+        leaves = {leaf.path: leaf for leaf in plan_leaves(abstract_params(load_cfg), load_cfg, source.hf_prefix)}
         check_tensors(hf, list(leaves.values()), load_mtp)
         return {path: hf_reader(hf.reader, leaves[path], np.dtype(t.dtype), chunk_bytes) for path, t in targets.items()}
     from composer_jax.checkpoint.orbax_io import OrbaxTree

@@ -168,12 +168,13 @@ def test_relative_convert_and_export_paths(tmp_path, monkeypatch, capsys):
     from safetensors.numpy import load_file
 
     from composer_jax.checkpoint.synthetic import write_synthetic_hf
+    from composer_jax.model import abstract_params
 
     def tensors(directory):
         return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
 
     monkeypatch.chdir(tmp_path)
-    write_synthetic_hf("hf", load_config("tiny", ["mtp.num_layers=0"]))
+    write_synthetic_hf("hf", load_config("tiny", ["mtp.num_layers=0"]), params_of=abstract_params)
     assert cli.main(["convert", "hf", "converted", "--quiet"]) == 0, capsys.readouterr().err
     assert cli.main(["export", "converted", "exported", "--quiet"]) == 0, capsys.readouterr().err
     original, exported = tensors(tmp_path / "hf"), tensors(tmp_path / "exported")

@@ -17,9 +17,11 @@ from composer_jax.checkpoint import convert as convert_mod
 from composer_jax.checkpoint.convert import convert
 from composer_jax.checkpoint.export import export
 from composer_jax.checkpoint.hf_config import config_from_hf
-from composer_jax.checkpoint.orbax_io import OrbaxTree, load_model
+from composer_jax.checkpoint.orbax_io import OrbaxTree
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.cli import main
+from composer_jax.model import abstract_params
+from composer_jax.model_dirs import load_converted
 from tests.hf_reference import save_random_hf_model
 
 
@@ -85,9 +87,9 @@ def test_mtp_layers_round_trip(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     _build(src)  # DeepSeek-V3 layout: the MTP layer is model.layers.4.*, with embedding / head copies
-    convert(src, tmp_path / "orbax")
-    assert load_model(tmp_path / "orbax").cfg.mtp.num_layers == 1
-    export(tmp_path / "orbax", tmp_path / "out")
+    convert(src, tmp_path / "orbax", params_of=abstract_params)
+    assert load_converted(tmp_path / "orbax").cfg.mtp.num_layers == 1
+    export(tmp_path / "orbax", tmp_path / "out", params_of=abstract_params)
     _assert_same_tensors(_tensors(src), _tensors(tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
@@ -100,8 +102,8 @@ def test_export_without_mtp_loads_in_transformers_without_unexpected_tensors(tmp
     src = tmp_path / "src"
     src.mkdir()
     cfg, _, _ = _build(src)
-    convert(src, tmp_path / "orbax")
-    export(tmp_path / "orbax", tmp_path / "with")
+    convert(src, tmp_path / "orbax", params_of=abstract_params)
+    export(tmp_path / "orbax", tmp_path / "with", params_of=abstract_params)
     assert main(["export", str(tmp_path / "orbax"), str(tmp_path / "without"), "--quiet", "--no-mtp"]) == 0
     _, with_info = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "with", output_loading_info=True)
     assert with_info["unexpected_keys"] and all(k.startswith(f"model.layers.{cfg.num_layers}.")
@@ -122,8 +124,8 @@ def test_sharded_conversion_restores_without_target(tmp_path, tiny_hf):
     state = nnx.state(nnx.eval_shape(lambda: CausalLM(model_cfg, rngs=nnx.Rngs(0))))
     dual = DualMesh(MeshConfig(replica=2, fsdp=4, ep=8))
     shardings = param_shardings(state, dual)
-    convert(src, tmp_path / "sharded", shardings=shardings, compress=True, chunk_bytes=4096)
-    convert(src, tmp_path / "plain")
+    convert(src, tmp_path / "sharded", shardings=shardings, compress=True, chunk_bytes=4096, params_of=abstract_params)
+    convert(src, tmp_path / "plain", params_of=abstract_params)
     plain = _leaves(tmp_path / "plain")
 
     restored = ocp.StandardCheckpointer().restore((tmp_path / "sharded" / "params").absolute())  # no target
@@ -141,14 +143,14 @@ def test_sharded_conversion_restores_without_target(tmp_path, tiny_hf):
     # The CLI chunks for the same layout from mesh sizes alone (no devices needed).
     assert main(["convert", str(src), str(tmp_path / "cli"), "--quiet", "--chunk-mb", "1", "--devices", "8",
                  "--mesh", "replica=2,fsdp=4,ep=8"]) == 0
-    convert(src, tmp_path / "api", shardings=shardings, chunk_bytes=1 << 20)
+    convert(src, tmp_path / "api", shardings=shardings, chunk_bytes=1 << 20, params_of=abstract_params)
     for path in plain:
         chunks = [json.loads((tmp_path / d / "params" / ".".join(path) / ".zarray").read_text())["chunks"]
                   for d in ("cli", "api")]
         assert chunks[0] == chunks[1], path
 
     other = DualMesh(MeshConfig(replica=1, fsdp=8, ereplica=2, ep=4))  # restore onto a different layout
-    model = load_model(tmp_path / "sharded", shardings=lambda s: param_shardings(s, other))
+    model = load_converted(tmp_path / "sharded", shardings=lambda s: param_shardings(s, other))
     kernel = model.moe_layers.mlp.gate_proj[...]
     assert kernel.sharding.mesh.shape["ep"] == 4
     np.testing.assert_array_equal(np.asarray(kernel), plain[("moe_layers", "mlp", "gate_proj")])
@@ -167,19 +169,19 @@ def test_interrupted_conversion_resumes(tmp_path, tiny_hf, monkeypatch):
 
     monkeypatch.setattr(convert_mod, "_write_block", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert(src, dst, workers=2)
+        convert(src, dst, workers=2, params_of=abstract_params)
     assert not dst.exists() and partial.is_dir()
     with pytest.raises(CheckpointError, match="no _METADATA"):  # the partial tree does not pass as a checkpoint
         OrbaxTree(partial / "params")
     with pytest.raises(CheckpointError, match="partial output of a different job"):
-        convert(src, dst, ["param_dtype=bfloat16"])
+        convert(src, dst, ["param_dtype=bfloat16"], params_of=abstract_params)
 
     resumed = []
     monkeypatch.setattr(convert_mod, "_write_block", lambda *a: (resumed.append(1), real(*a)))
-    summary = convert(src, dst)
+    summary = convert(src, dst, params_of=abstract_params)
     assert len(resumed) == summary["items"] - 50 and not partial.exists()
     monkeypatch.setattr(convert_mod, "_write_block", real)
-    convert(src, tmp_path / "clean")
+    convert(src, tmp_path / "clean", params_of=abstract_params)
     clean, got = _leaves(tmp_path / "clean"), _leaves(dst)
     assert set(clean) == set(got) and all(np.array_equal(clean[p], got[p]) for p in clean)
 
@@ -228,7 +230,7 @@ def test_broken_inputs_are_clear_errors_and_leave_nothing(tmp_path, tiny_hf, cap
 
 def test_export_errors(tmp_path, tiny_hf, capsys):
     src, _ = tiny_hf
-    convert(src, tmp_path / "orbax")
+    convert(src, tmp_path / "orbax", params_of=abstract_params)
     assert main(["convert", str(src), str(tmp_path / "orbax"), "--quiet"]) == 2
     assert "already exists (pass --overwrite" in capsys.readouterr().err
     assert main(["convert", str(src), str(tmp_path / "orbax"), "--quiet", "--overwrite"]) == 0
@@ -238,7 +240,7 @@ def test_export_errors(tmp_path, tiny_hf, capsys):
     chunk = next((tmp_path / "orbax" / "params" / "moe_layers.attn.o_proj").glob("1.*"))
     chunk.unlink()  # a damaged checkpoint: the error names the parameter, and no output appears
     with pytest.raises(CheckpointError, match=r"cannot read parameter 'moe_layers\.attn\.o_proj' \[1\]"):
-        export(tmp_path / "orbax", tmp_path / "out")
+        export(tmp_path / "orbax", tmp_path / "out", params_of=abstract_params)
     assert not (tmp_path / "out").exists()
 
 
@@ -246,7 +248,7 @@ def test_interrupted_export_resumes(tmp_path, tiny_hf, monkeypatch):
     from composer_jax.checkpoint import export as export_mod
 
     src, _ = tiny_hf
-    convert(src, tmp_path / "orbax")
+    convert(src, tmp_path / "orbax", params_of=abstract_params)
     real, done = export_mod._write_rows, []
 
     def interrupted(*args):
@@ -257,11 +259,11 @@ def test_interrupted_export_resumes(tmp_path, tiny_hf, monkeypatch):
 
     monkeypatch.setattr(export_mod, "_write_rows", interrupted)
     with pytest.raises(OSError, match="disk full"):
-        export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000)
+        export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000, params_of=abstract_params)
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial").is_dir()
     resumed = []
     monkeypatch.setattr(export_mod, "_write_rows", lambda *a: (resumed.append(1), real(*a)))
-    summary = export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000)
+    summary = export(tmp_path / "orbax", tmp_path / "out", max_shard_bytes=300_000, params_of=abstract_params)
     assert len(resumed) == summary["items"] - 40 and summary["shards"] > 1
     _assert_same_tensors(_tensors(src), _tensors(tmp_path / "out"))
 
@@ -272,8 +274,8 @@ def test_export_from_training_checkpoint(tmp_path, tiny_hf):
     from composer_jax.model.layers import RouterBias
 
     src, _ = tiny_hf
-    convert(src, tmp_path / "orbax")
-    model = load_model(tmp_path / "orbax")
+    convert(src, tmp_path / "orbax", params_of=abstract_params)
+    model = load_converted(tmp_path / "orbax")
     _, params, biases, _ = nnx.split(model, nnx.Param, RouterBias, ...)
     ckpt = TrainCheckpointer(tmp_path / "run", array_items=("model",), json_items=("config",), async_save=False)
     ckpt.save(3, {"model": {"params": params, "biases": biases}}, {"config": {"model": config.to_dict(model.cfg)}},

@@ -12,15 +12,18 @@ import sys
 
 from composer_jax import load_config
 from composer_jax.checkpoint.synthetic import write_synthetic_hf
+from composer_jax.model import abstract_params
 
 CHILD = """
 import json, sys
 from composer_jax.checkpoint.convert import convert
 from composer_jax.checkpoint.hf import open_hf, plan_leaves
-plan_leaves(open_hf(sys.argv[1]).cfg)  # warm up: imports, abstract model
+from composer_jax.model import abstract_params
+cfg = open_hf(sys.argv[1]).cfg
+plan_leaves(abstract_params(cfg), cfg)  # warm up: imports, abstract model
 status = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0])  # kB
 before = status("VmRSS")  # current RSS (the peak so far is the warm-up's)
-convert(sys.argv[1], sys.argv[2], workers=2, chunk_bytes=8 << 20)
+convert(sys.argv[1], sys.argv[2], workers=2, chunk_bytes=8 << 20, params_of=abstract_params)
 after = status("VmHWM")  # peak RSS of this process image (ru_maxrss would include the parent's at fork)
 print(json.dumps({"before_mb": before / 1024, "after_mb": after / 1024}))
 """
@@ -30,7 +33,7 @@ def test_peak_rss_is_bounded_by_blocks_not_checkpoint(tmp_path):
     cfg = load_config("tiny", ["vocab_size=32768", "hidden_size=1024", "intermediate_size=2048",
                                "moe.moe_intermediate_size=512", "moe.n_routed_experts=8", "moe.n_group=1",
                                "moe.topk_group=1", "mtp.num_layers=0", "dtype=bfloat16", "param_dtype=bfloat16"])
-    size = write_synthetic_hf(tmp_path / "hf", cfg, shard_bytes=80 << 20)
+    size = write_synthetic_hf(tmp_path / "hf", cfg, shard_bytes=80 << 20, params_of=abstract_params)
     assert size > 200e6 and len(list((tmp_path / "hf").glob("*.safetensors"))) >= 3
     out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "hf"), str(tmp_path / "out")],
                          capture_output=True, text=True, env={"JAX_PLATFORMS": "cpu", "PATH": ""})
@@ -69,7 +72,7 @@ def test_loading_a_source_onto_the_dual_grid_holds_the_weights_once(tmp_path):
     cfg = load_config("tiny", ["vocab_size=32768", "hidden_size=1024", "intermediate_size=2048",
                                "moe.moe_intermediate_size=512", "moe.n_routed_experts=8", "moe.n_group=1",
                                "moe.topk_group=1", "mtp.num_layers=0", "dtype=bfloat16", "param_dtype=bfloat16"])
-    size = write_synthetic_hf(tmp_path / "hf", cfg, shard_bytes=80 << 20)
+    size = write_synthetic_hf(tmp_path / "hf", cfg, shard_bytes=80 << 20, params_of=abstract_params)
     out = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(tmp_path / "hf")], capture_output=True, text=True,
                          env={"JAX_PLATFORMS": "cpu", "PATH": ""})
     assert out.returncode == 0, out.stderr[-2000:]

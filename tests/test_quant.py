@@ -17,9 +17,11 @@ from safetensors.numpy import load_file, save_file
 from composer_jax import config, from_pretrained, load_config
 from composer_jax.checkpoint.convert import convert
 from composer_jax.checkpoint.export import export
-from composer_jax.checkpoint.orbax_io import SIDE_FILE, load_model
+from composer_jax.checkpoint.orbax_io import SIDE_FILE
 from composer_jax.checkpoint.quant import QuantConfig, TensorReader, dequant_int4
 from composer_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
+from composer_jax.model import abstract_params
+from composer_jax.model_dirs import load_converted
 from tests.hf_reference import hf_logits, save_random_hf_model
 
 BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
@@ -146,8 +148,8 @@ def _check_against_reference(tmp_path, quantized, reference_tensors, ref_config,
     """Convert `quantized`, export as float32, compare with `reference_tensors`; compare logits."""
     want = {k[len(prefix):]: v for k, v in reference_tensors.items() if k.startswith(prefix)}
     ref_dir = _write(tmp_path / "reference", want, ref_config)
-    convert(quantized, tmp_path / "orbax", chunk_bytes=2048)  # small blocks: row ranges cut FP8 blocks
-    export(tmp_path / "orbax", tmp_path / "exported")
+    convert(quantized, tmp_path / "orbax", chunk_bytes=2048, params_of=abstract_params)  # small blocks: row ranges cut FP8 blocks
+    export(tmp_path / "orbax", tmp_path / "exported", params_of=abstract_params)
     exported = {}
     for f in (tmp_path / "exported").glob("*.safetensors"):
         exported.update(load_file(str(f)))
@@ -158,7 +160,7 @@ def _check_against_reference(tmp_path, quantized, reference_tensors, ref_config,
     from transformers import DeepseekV3ForCausalLM
 
     ref_model = DeepseekV3ForCausalLM.from_pretrained(ref_dir).float().eval()
-    model = load_model(tmp_path / "orbax")
+    model = load_converted(tmp_path / "orbax")
     tokens = np.random.default_rng(0).integers(0, 256, size=(2, 40), dtype=np.int32)
     diff = np.abs(np.asarray(model(tokens)) - hf_logits(ref_model, tokens)).max()
     assert diff <= 1e-4, f"max |logit diff| = {diff:.2e}"

@@ -13,8 +13,7 @@ import pytest
 import torch
 import yaml
 
-from composer_jax import config, load_config
-from composer_jax.checkpoint.hf import from_pretrained
+from composer_jax import config, from_pretrained, load_config
 from composer_jax.cli import main
 from composer_jax.config import CONFIG_DIR, ConfigError, MeshConfig
 from composer_jax.model_dirs import open_source
@@ -165,6 +164,7 @@ def test_plan_reports_the_loading_peak_of_a_k25_checkpoint_from_its_config_and_i
     """Kimi K2.5 in INT4 (config.json with text_config and an index, no weights) on 128 devices."""
     from composer_jax.checkpoint.hf import plan_leaves
     from composer_jax.checkpoint.hf_config import hf_config_from
+    from composer_jax.model import abstract_params
 
     k25 = load_config("kimi-k2.5")
     text = hf_config_from(k25, "bfloat16") | {"quantization_config": {
@@ -175,7 +175,7 @@ def test_plan_reports_the_loading_peak_of_a_k25_checkpoint_from_its_config_and_i
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"],
                                                     "text_config": text}))
-    keys = [t.key for leaf in plan_leaves(k25, "language_model.") for t in leaf.plan.flat]
+    keys = [t.key for leaf in plan_leaves(abstract_params(k25), k25, "language_model.") for t in leaf.plan.flat]
     (source / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "x.safetensors" for k in keys}}))
     run = tmp_path / "cpt.yaml"
     run.write_text(yaml.safe_dump({"train": {"init_from": str(source), "seq_len": 32768, "batch_size": 32},
@@ -198,13 +198,13 @@ def test_quantized_sources_dequantize_into_their_shards(tmp_path, fmt):
 
     from composer_jax.checkpoint.manager import abstract_like
     from composer_jax.checkpoint.synthetic import write_synthetic_hf
-    from composer_jax.model import CausalLM, split_model
+    from composer_jax.model import CausalLM, abstract_params, split_model
     from composer_jax.parallel import param_shardings
     from composer_jax.source_weights import load_state
 
     cfg = load_config("tiny", ["mtp.num_layers=0", "hidden_size=128", "moe.moe_intermediate_size=128",
                                "intermediate_size=256"])
-    write_synthetic_hf(tmp_path / "hf", cfg, fmt)
+    write_synthetic_hf(tmp_path / "hf", cfg, fmt, params_of=abstract_params)
     source = open_source(tmp_path / "hf")
     assert source.quantized
     run_cfg = config.replace(source.model, **{"param_dtype": "float32", "dtype": "float32"})

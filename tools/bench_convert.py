@@ -28,6 +28,7 @@ from composer_jax import config as config_lib
 from composer_jax.checkpoint.hf import plan_leaves
 from composer_jax.checkpoint.synthetic import write_synthetic_hf
 from composer_jax.config import ModelConfig
+from composer_jax.model import abstract_params
 
 BASE = dict(vocab_size=32768, hidden_size=1024, num_layers=8, num_dense_layers=1, intermediate_size=2816,
             mla=dict(num_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
@@ -44,7 +45,7 @@ def bench_config(size_gb: float) -> ModelConfig:
         return config_lib.from_dict(ModelConfig, raw)
 
     per_expert = 3 * BASE["hidden_size"] * BASE["moe"]["moe_intermediate_size"] * (BASE["num_layers"] - 1) * 2
-    base_bytes = sum(2 * math.prod(leaf.shape) for leaf in plan_leaves(build(8)))
+    base_bytes = sum(2 * math.prod(leaf.shape) for leaf in plan_leaves(abstract_params(build(8)), build(8)))
     return build(8 * max(1, math.ceil(max(0.0, size_gb * 1e9 - base_bytes) / per_expert / 8) + 1))
 
 
@@ -78,7 +79,7 @@ def main() -> int:
     try:
         cfg = bench_config(args.size_gb)
         t0 = time.monotonic()
-        size = write_synthetic_hf(work / "hf", cfg, args.format, shard_bytes=int(args.shard_gb * 1e9))
+        size = write_synthetic_hf(work / "hf", cfg, args.format, shard_bytes=int(args.shard_gb * 1e9), params_of=abstract_params)
         shards = len(list((work / "hf").glob("*.safetensors")))
         print(f"synthetic {args.format} checkpoint: {size / 1e9:.2f} GB in {shards} shards "
               f"({cfg.moe.n_routed_experts} experts x {cfg.num_moe_layers} MoE layers), "

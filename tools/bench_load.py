@@ -91,6 +91,7 @@ def main() -> int:
 
     from composer_jax import config as config_lib
     from composer_jax.checkpoint.synthetic import write_synthetic_hf
+    from composer_jax.model import abstract_params
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-gb", type=float, default=1.0, help="checkpoint size to reach (default 1)")
@@ -104,7 +105,7 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_load_"))
     cli = [sys.executable, "-m", "composer_jax.cli"]
     try:
-        size = write_synthetic_hf(work / "hf", cfg)
+        size = write_synthetic_hf(work / "hf", cfg, params_of=abstract_params)
         subprocess.run([*cli, "convert", str(work / "hf"), str(work / "converted"), "--quiet"], check=True)
         _save_run(work)
         files = sorted((work / "hf").glob("*.safetensors"))

@@ -2,9 +2,10 @@
 tools/bench_muon.py and the CPU bench).
 
 The tree is Kimi-shaped but scaled down: stacked layers (dense first, then MoE), per-head MLA
-projections, routed experts stacked per layer, shared experts, router, embedding, head and norms.
-Expert weights live on the expert mesh ('ep', 'fsdp'), everything else on the dense mesh ('fsdp',);
-both meshes enumerate jax.devices() in one order. Ours runs on Explicit axes. optax's Muon fails on
+projections, routed experts stacked per layer, shared experts, router, embedding, head and norms, with
+the model's logical axis names. It is laid out as training lays out the model: on a `DualMesh` (dense
+grid: fsdp over every device; expert grid: efsdp 2, ep the rest) by the partitioning rule tables of
+composer_jax.parallel.partitioning. Ours runs on those Explicit-axes meshes. optax's Muon fails on
 Explicit axes once a matrix dimension is sharded, so it runs on Auto-axes copies of the same meshes
 with the same PartitionSpecs. Both use the same dimension numbers, float32 NS, Jordan's coefficients,
 Nesterov and no weight decay.
@@ -24,31 +25,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
 from optax.contrib import MuonDimensionNumbers as MDN
 
 from composer_jax.bench.timing import interleaved
+from composer_jax.config import MeshConfig
 from composer_jax.optim import muon
 from composer_jax.optim.layout import matrix_view
 from composer_jax.optim.newton_schulz import ns_flops
 from composer_jax.optim.orthogonalize_plan import describe_leaf, ns_flops_per_device, plan_groups
-
-# Logical axis -> mesh axis, one table per grid; the first matching dimension of a leaf takes the axis.
-DENSE_RULES = {"embed": "fsdp", "q_lora": "fsdp", "kv_lora": "fsdp", "mlp": "fsdp", "vocab": "fsdp"}
-EXPERT_RULES = {"experts": "ep", "embed": "fsdp"}
+from composer_jax.parallel import DualMesh
+from composer_jax.parallel.partitioning import grid_of, spec_for
 
 
 def kimi_tree(d=512, heads=8, q_lora=192, kv_lora=128, nope=64, rope=32, v=64, mlp=1024, moe_mlp=256,
               experts=32, dense_layers=1, moe_layers=2, vocab=4096):
-    """{name: (shape, logical axes, MuonDimensionNumbers | None, grid)}: a scaled-down Kimi K2 tree."""
-    tree = {"embed": ((vocab, d), ("vocab", "embed"), None, "dense"),
-            "lm_head": ((d, vocab), ("embed", "vocab"), None, "dense"),
-            "final_norm": ((d,), ("embed",), None, "dense")}
+    """{name: (shape, logical axes, MuonDimensionNumbers | None)}: a scaled-down Kimi K2 tree."""
+    tree = {"embed": ((vocab, d), ("vocab", "embed"), None),
+            "lm_head": ((d, vocab), ("embed", "vocab"), None),
+            "final_norm": ((d,), ("embed",), None)}
     for kind, layers in (("dense", dense_layers), ("moe", moe_layers)):
-        def add(name, shape, axes, red=None, out=None, grid="dense"):
+        def add(name, shape, axes, red=None, out=None):
             dims = MDN(tuple(axes.index(a) + 1 for a in red), tuple(axes.index(a) + 1 for a in out)) if red else None
-            tree[f"{kind}/{name}"] = ((layers,) + shape, ("layers",) + axes, dims, grid)
+            tree[f"{kind}/{name}"] = ((layers,) + shape, ("layers",) + axes, dims)
 
         add("input_norm", (d,), ("embed",))
         add("post_attn_norm", (d,), ("embed",))
@@ -64,51 +63,38 @@ def kimi_tree(d=512, heads=8, q_lora=192, kv_lora=128, nope=64, rope=32, v=64, m
                 add(f"mlp/{name}", (d, mlp), ("embed", "mlp"), ("embed",), ("mlp",))
             add("mlp/down", (mlp, d), ("mlp", "embed"), ("mlp",), ("embed",))
             continue
-        add("router", (d, experts), ("embed", "experts"), ("embed",), ("experts",))
+        add("router", (d, experts), ("embed", "router_experts"), ("embed",), ("router_experts",))
         for name in ("gate", "up"):
             add(f"shared/{name}", (d, moe_mlp), ("embed", "moe_mlp"), ("embed",), ("moe_mlp",))
-            add(f"experts/{name}", (experts, d, moe_mlp), ("experts", "embed", "moe_mlp"), ("embed",), ("moe_mlp",),
-                grid="expert")
+            add(f"experts/{name}", (experts, d, moe_mlp), ("experts", "embed", "moe_mlp"), ("embed",), ("moe_mlp",))
         add("shared/down", (moe_mlp, d), ("moe_mlp", "embed"), ("moe_mlp",), ("embed",))
-        add("experts/down", (experts, moe_mlp, d), ("experts", "moe_mlp", "embed"), ("moe_mlp",), ("embed",),
-            grid="expert")
+        add("experts/down", (experts, moe_mlp, d), ("experts", "moe_mlp", "embed"), ("moe_mlp",), ("embed",))
     return tree
 
 
-def spec_for(shape, axes, rules, mesh) -> P:
-    used, spec = set(), []
-    for size, name in zip(shape, axes):
-        axis = rules.get(name)
-        if axis is not None and axis not in used and size % mesh.shape[axis] == 0:
-            used.add(axis)
-            spec.append(axis)
-        else:
-            spec.append(None)
-    return P(*spec)
+def dual_mesh() -> DualMesh:
+    """The training layout on every local device: fsdp over all of them; experts on efsdp 2 (1 on an odd
+    count) times ep."""
+    return DualMesh(MeshConfig(fsdp=-1, efsdp=2 if len(jax.devices()) % 2 == 0 else 1, ep=-1))
 
 
-def meshes(axis_type):
-    """The dense grid ('fsdp',) over every device and the expert grid ('ep', 'fsdp') with fsdp 2 (1 on
-    one device), both in jax.devices() order."""
-    devices = np.array(jax.devices())
-    efsdp = 2 if devices.size % 2 == 0 else 1
-    return {"dense": jax.sharding.Mesh(devices, ("fsdp",), axis_types=(axis_type,)),
-            "expert": jax.sharding.Mesh(devices.reshape(-1, efsdp), ("ep", "fsdp"), axis_types=(axis_type,) * 2)}
+def placements(tree, dual: DualMesh) -> dict[str, NamedSharding]:
+    """{name: NamedSharding} of every leaf by the training rules: its grid's mesh, its PartitionSpec."""
+    return {name: NamedSharding(dual.expert if grid_of(axes) == "expert" else dual.dense,
+                                spec_for(axes, shape, dual.sizes))
+            for name, (shape, axes, _) in tree.items()}
 
 
-def place(tree, values, axis_type):
-    grids = meshes(axis_type)
-    out = {}
-    for name, (shape, axes, _, grid) in tree.items():
-        mesh = grids[grid]
-        rules = EXPERT_RULES if grid == "expert" else DENSE_RULES
-        out[name] = jax.device_put(values[name], NamedSharding(mesh, spec_for(shape, axes, rules, mesh)))
-    return out
+def auto_axes(sharding: NamedSharding) -> NamedSharding:
+    """The same devices, axis names and spec on Auto axes (what optax's Muon runs on)."""
+    mesh = sharding.mesh
+    return NamedSharding(Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim),
+                         sharding.spec)
 
 
 def ns_total(tree, steps):
     total = 0
-    for shape, _, dims, _ in tree.values():
+    for shape, _, dims in tree.values():
         if dims is not None:
             view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
             count = math.prod(shape[a] for a in view.batch)
@@ -120,7 +106,7 @@ def ns_total(tree, steps):
 def padded_ns_total(tree, steps, devices):
     """NS FLOPs including zero padding when each same-shape group is padded to a multiple of `devices`."""
     groups = {}
-    for shape, _, dims, _ in tree.values():
+    for shape, _, dims in tree.values():
         if dims is not None:
             view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
             key = (math.prod(shape[a] for a in view.rows), math.prod(shape[a] for a in view.cols))
@@ -131,15 +117,14 @@ def padded_ns_total(tree, steps, devices):
 def planned_ns_flops(tree, steps, chunks) -> int:
     """NS FLOPs per device that composer_jax's exchange plan assigns for `tree` on these meshes
     (`orthogonalize_plan.ns_flops_per_device`: split layers included; no compile)."""
-    grids = meshes(AxisType.Explicit)
-    leaves = []
-    for shape, axes, dims, grid in tree.values():
+    dual = dual_mesh()
+    shardings, leaves = placements(tree, dual), []
+    for name, (shape, _, dims) in tree.items():
         if dims is not None:
-            mesh = grids[grid]
-            spec = spec_for(shape, axes, EXPERT_RULES if grid == "expert" else DENSE_RULES, mesh)
             view = matrix_view(shape, dims.reduction_axis, dims.output_axis)
-            leaves.append(describe_leaf(len(leaves), shape, jnp.float32, view, mesh, spec))
-    return ns_flops_per_device(plan_groups(leaves, chunks, tuple(grids.values()), split=True), steps)
+            leaves.append(describe_leaf(len(leaves), shape, jnp.float32, view, shardings[name].mesh,
+                                        shardings[name].spec))
+    return ns_flops_per_device(plan_groups(leaves, chunks, dual.meshes, split=True), steps)
 
 
 def print_planned_shares(tree, steps, chunks) -> None:
@@ -193,19 +178,21 @@ def compare(experts: int = 32, moe_layers: int = 2, ns_steps: int = 5, chunks: i
     tree = kimi_tree(experts=experts, moe_layers=moe_layers)
     rng = np.random.default_rng(0)
     values = {k: (0.02 * rng.standard_normal(shape)).astype(np.float32) for k, (shape, *_) in tree.items()}
-    dims = {k: d for k, (_, _, d, _) in tree.items()}
+    dims = {k: d for k, (_, _, d) in tree.items()}
+    dual = dual_mesh()
+    explicit = placements(tree, dual)
+    auto = {name: auto_axes(s) for name, s in explicit.items()}
     common = dict(learning_rate=0.02, muon_weight_dimension_numbers=dims)
 
     def ours(steps):
-        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=chunks,
-                    meshes=tuple(meshes(AxisType.Explicit).values()), **common)
+        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=chunks, meshes=dual.meshes, **common)
 
     def theirs(steps):
         return optax.contrib.muon(ns_steps=steps, **common)
 
     results = {}
-    for name, tx_fn, axis_type in (("ours", ours, AxisType.Explicit), ("optax", theirs, AxisType.Auto)):
-        params = place(tree, values, axis_type)
+    for name, tx_fn, shardings in (("ours", ours, explicit), ("optax", theirs, auto)):
+        params = {k: jax.device_put(values[k], shardings[k]) for k in tree}
         compiled, state, grads = build(tx_fn, params, ns_steps)
         base, *_ = build(tx_fn, params, 1)
         extra, *_ = build(tx_fn, params, ns_steps + 1)
@@ -244,7 +231,7 @@ def compare(experts: int = 32, moe_layers: int = 2, ns_steps: int = 5, chunks: i
         "config": {"devices": devices, "ns_steps": ns_steps, "chunks": chunks, "experts": experts,
                    "moe_layers": moe_layers, "ns_dtype": "float32", "coefficients": "jordan",
                    "matrices": sum(math.prod(s[a] for a in matrix_view(s, d.reduction_axis, d.output_axis).batch)
-                                   for s, _, d, _ in tree.values() if d is not None),
+                                   for s, _, d in tree.values() if d is not None),
                    "parameters": int(sum(math.prod(s) for s, *_ in tree.values()))},
     }
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from composer_jax.checkpoint import orbax_io
-from composer_jax.checkpoint.hf import HFSource, Leaf, check_tensors, open_hf, plan_leaves, read_block
+from composer_jax.checkpoint.hf import HFSource, Leaf, ParamsOf, check_tensors, open_hf, plan_leaves, read_block
 from composer_jax.checkpoint.hf_layout import rows_per_index
 from composer_jax.checkpoint.jobs import Item, Staging, block_size, default_workers, file_fingerprint, run_items
 from composer_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError, SafetensorsWriter
@@ -119,13 +119,14 @@ def _copy_small_files(src: Path, dst: Path) -> None:
         shutil.copyfile(f, dst / f.name)
 
 
-def convert(src: str | Path, dst: str | Path, overrides=(), *, shardings=None, mesh_sizes=None,
+def convert(src: str | Path, dst: str | Path, overrides=(), *, params_of: ParamsOf, shardings=None, mesh_sizes=None,
             workers: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, compress: bool = False,
             strict: bool = True, overwrite: bool = False, restart: bool = False, progress: bool = False) -> dict:
     """Convert HF directory `src` into a converted model directory `dst` (see orbax_io).
 
     overrides: ModelConfig changes on top of config.json (e.g. `param_dtype=float32`, or
       `mtp.num_layers=0` to drop stored MTP layers).
+    params_of: the parameter tree of the config read (`composer_jax.model.abstract_params`).
     shardings: target shardings, an nnx.State / nested dict of jax Shardings (e.g.
       `parallel.param_shardings(state, dual_mesh)`); chunks follow them and `_sharding` records them,
       so orbax restores onto that mesh without a target. mesh_sizes: mesh axis sizes ({'fsdp': 8, 'ep':
@@ -146,7 +147,7 @@ def convert(src: str | Path, dst: str | Path, overrides=(), *, shardings=None, m
         from composer_jax.parallel.mesh import check_model
 
         check_model(mesh_sizes, cfg)  # e.g. ep must divide the routed experts
-    leaves = plan_leaves(cfg, source.prefix)
+    leaves = plan_leaves(params_of(cfg), cfg, source.prefix)
     side = check_tensors(source, leaves, cfg.mtp.num_layers, strict)
     by_path = orbax_io.flat_shardings(shardings) if shardings is not None else None
     shards = shard_shapes(leaves, by_path, mesh_sizes)

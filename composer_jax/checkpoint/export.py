@@ -26,7 +26,7 @@ import numpy as np
 
 from composer_jax import config as config_lib
 from composer_jax.checkpoint import orbax_io
-from composer_jax.checkpoint.hf import Leaf, plan_leaves
+from composer_jax.checkpoint.hf import Leaf, ParamsOf, plan_leaves
 from composer_jax.checkpoint.hf_config import hf_config_from, read_hf_config
 from composer_jax.checkpoint.hf_layout import mtp_copies, ours_to_hf_rows, rows_per_index
 from composer_jax.checkpoint.jobs import Item, Staging, block_size, default_workers, file_fingerprint, run_items
@@ -85,14 +85,15 @@ def _write_rows(store, leaf, t, index, start, stop, out_dtype, targets) -> None:
         writer.write(key, rows, start * per)
 
 
-def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, dtype: str | None = None,
-           max_shard_bytes: int = 5 << 30, workers: int | None = None, chunk_bytes: int = 64 << 20,
-           overwrite: bool = False, restart: bool = False, progress: bool = False, mtp: bool = True,
-           beside: Callable[[Path], int | None] | None = None) -> dict:
+def export(src: str | Path, dst: str | Path, *, params_of: ParamsOf, cfg: ModelConfig | None = None,
+           dtype: str | None = None, max_shard_bytes: int = 5 << 30, workers: int | None = None,
+           chunk_bytes: int = 64 << 20, overwrite: bool = False, restart: bool = False, progress: bool = False,
+           mtp: bool = True, beside: Callable[[Path], int | None] | None = None) -> dict:
     """Export converted model directory `src` (or a training checkpoint step `<run>/checkpoints/<step>`,
     or a bare orbax params checkpoint with `cfg`) to `dst`. `beside(directory)` writes more files into the
     output before it is committed and returns the EOS id for config.json, if it knows one.
 
+    params_of: the parameter tree of the config (`composer_jax.model.abstract_params`).
     cfg: the ModelConfig (default: `src/model_config.yaml`, or the step's run config). dtype: 'float32' / 'bfloat16' / 'float16'
     for every weight (default: each parameter's own dtype; the router correction bias stays float32).
     max_shard_bytes: safetensors shard size. mtp=False leaves the MTP depths out (transformers'
@@ -108,7 +109,7 @@ def export(src: str | Path, dst: str | Path, *, cfg: ModelConfig | None = None, 
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     tree = orbax_io.OrbaxTree(params)
-    leaves = plan_leaves(cfg)
+    leaves = plan_leaves(params_of(cfg), cfg)
     stores = {}
     for leaf in leaves:
         stored = tree.find(leaf.path)

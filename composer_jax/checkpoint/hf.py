@@ -1,36 +1,35 @@
-"""Open Hugging Face DeepSeek-V3 / Kimi K2 / Kimi K2.5 directories and load them into the NNX model.
+"""Open Hugging Face DeepSeek-V3 / Kimi K2 / Kimi K2.5 directories and read them as our parameter tree.
 
 `open_hf` reads `config.json` (hf_config.py) and indexes the safetensors through the dequantizing
 `TensorReader` (quant.py: bf16/fp16/fp32, FP8 blocks, K2.5 INT4); `plan_leaves` maps every parameter
-of the model onto HF tensors (hf_layout.py) and `check_tensors` validates the checkpoint against that
-plan before anything is read: missing tensors, shape mismatches and unexpected tensors are errors that
-name them. K2.5's vision tower and projector are left aside; MTP layers stored past the last decoder
-layer map onto our MTP depths. `from_pretrained` (in memory) and `convert` (streaming, to orbax) share
-all of this.
+of a tree the caller gives (the model's, `composer_jax.model.abstract_params`: this package knows
+pytrees, not the model) onto HF tensors (hf_layout.py) and `check_tensors` validates the checkpoint
+against that plan before anything is read: missing tensors, shape mismatches and unexpected tensors are
+errors that name them. K2.5's vision tower and projector are left aside; MTP layers stored past the last
+decoder layer map onto our MTP depths. `composer_jax.from_pretrained` (in memory, `read_leaves`) and
+`convert` (streaming, to orbax) share all of this.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from composer_jax import config as config_lib
-from composer_jax.checkpoint.hf_config import config_from_hf, eos_token_ids, read_hf_config
+from composer_jax.checkpoint.hf_config import config_from_hf, read_hf_config
 from composer_jax.checkpoint.hf_layout import (SIDE_PREFIXES, Tensor, hf_rows_to_ours, mtp_copies,
                                                rows_per_index, tensor_plan)
 from composer_jax.checkpoint.quant import QuantConfig, TensorReader
 from composer_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
 from composer_jax.config import ModelConfig
-from composer_jax.model import CausalLM
-from composer_jax.model.mtp import MTP
 
-__all__ = ["HFSource", "Leaf", "open_hf", "plan_leaves", "check_tensors", "read_block", "from_pretrained",
-           "abstract_leaves", "config_from_hf", "tensor_plan"]
+__all__ = ["HFSource", "Leaf", "open_hf", "plan_leaves", "check_tensors", "read_block", "read_leaves",
+           "config_from_hf", "tensor_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -96,16 +95,18 @@ def open_hf(path: str | Path, overrides=()) -> HFSource:
     return HFSource(path, whole, text, prefix, reader, stored_mtp, cfg)
 
 
-def abstract_leaves(cfg: ModelConfig, seed: int = 0) -> list[tuple[tuple[str, ...], nnx.Variable]]:
-    """(path, abstract variable) of every parameter of `CausalLM(cfg)`; allocates nothing."""
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(seed)))
-    return [(tuple(str(p) for p in path), var) for path, var in nnx.to_flat_state(nnx.state(abstract))]
+ParamsOf = Callable[[ModelConfig], Iterable[tuple[tuple[str, ...], nnx.Variable]]]
+"""The parameter tree of the model a config describes: (path, abstract variable with its `axes`) per
+parameter, e.g. `composer_jax.model.abstract_params`. Given by the callers of convert, export and the
+synthetic writer, which find the config themselves."""
 
 
-def plan_leaves(cfg: ModelConfig, prefix: str = "", with_mtp: bool = True) -> list[Leaf]:
-    """Every parameter of `CausalLM(cfg)` with its HF tensors (MTP parameters only if `with_mtp`)."""
+def plan_leaves(params: Iterable[tuple[tuple[str, ...], nnx.Variable]], cfg: ModelConfig, prefix: str = "",
+                with_mtp: bool = True) -> list[Leaf]:
+    """Every parameter of `params` (path, abstract variable: the tree of the model `cfg` describes, e.g.
+    `composer_jax.model.abstract_params(cfg)`) with its HF tensors (MTP parameters only if `with_mtp`)."""
     leaves = []
-    for path, var in abstract_leaves(cfg):
+    for path, var in params:
         if path[0] == "mtp" and not with_mtp:
             continue
         value = var.get_value()
@@ -164,36 +165,12 @@ def read_block(reader: TensorReader, t: Tensor, inner: tuple[int, ...], start: i
     return hf_rows_to_ours(rows.astype(dtype, copy=False), t, inner, stop - start)
 
 
-def from_pretrained(path: str | Path, overrides=(), *, rngs_seed: int = 0, strict: bool = True) -> CausalLM:
-    """Load a HF DeepSeek-V3 / Kimi K2 / K2.5 directory (config.json + safetensors, quantized or not).
-
-    `overrides`: dotted ModelConfig changes applied on top of the HF config, e.g.
-    `["dtype=bfloat16", "moe.dispatch=dense", "mtp.num_layers=1"]`. MTP depths absent from the
-    checkpoint but requested by `mtp.num_layers` are freshly initialized (seed `rngs_seed`). INT4 / FP8
-    weights are dequantized in float32, then cast to `param_dtype`. `strict`: unexpected tensors are an
-    error (else a warning). Returns the model; `model(tokens)` gives float32 logits [batch, seq, vocab];
-    `model.eos_token_ids` holds the checkpoint's end-of-sequence ids (generation's default stop tokens).
-    """
-    source = open_hf(path, overrides)
-    cfg = source.cfg
-    fresh = cfg.mtp.num_layers > source.stored_mtp
-    leaves = plan_leaves(cfg, source.prefix, with_mtp=not fresh)
-    check_tensors(source, leaves, 0 if fresh else cfg.mtp.num_layers, strict)
-
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(rngs_seed)))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
+def read_leaves(source: HFSource, leaves: list[Leaf]) -> dict[tuple[str, ...], np.ndarray]:
+    """{path: whole array in our layout} of every leaf, read at once (in memory; `convert` streams)."""
     values = {}
     for leaf in leaves:
         out = np.empty(leaf.shape, leaf.dtype)
         for index, t in np.ndenumerate(leaf.plan):
             out[index] = read_block(source.reader, t, leaf.inner, 0, leaf.inner[t.linear_in], leaf.dtype)
         values[leaf.path] = out
-    if fresh:  # not in the checkpoint: keep a fresh init
-        for path, value in nnx.to_flat_state(nnx.state(MTP(cfg, rngs=nnx.Rngs(rngs_seed)))):
-            values[("mtp",) + tuple(str(p) for p in path)] = np.asarray(value.get_value())
-    for path_key, var in flat.items():
-        var.set_value(jnp.asarray(values[tuple(str(p) for p in path_key)]))
-    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    model.eos_token_ids = eos_token_ids(source.path)
-    return model
+    return values

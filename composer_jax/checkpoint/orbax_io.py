@@ -31,7 +31,6 @@ from etils import epath
 from flax import nnx
 
 from composer_jax import config as config_lib
-from composer_jax.checkpoint.hf_config import eos_token_ids
 from composer_jax.checkpoint.safetensors_io import CheckpointError
 from composer_jax.config import ModelConfig
 from composer_jax.tree_paths import path_keys
@@ -175,20 +174,10 @@ def model_config(directory: str | Path, overrides=()) -> ModelConfig:
     return config_lib.load_config(path, overrides)
 
 
-def load_model(directory: str | Path, overrides=(), *, shardings=None) -> nnx.Module:
-    """Restore a converted model directory into `CausalLM` (with orbax).
-
-    `overrides`: ModelConfig changes that keep parameter shapes (e.g. `moe.dispatch=dense`).
-    `shardings`: None (first device), or an nnx.State / nested dict of shardings, or a function of the
-    abstract nnx.State returning one (e.g. `lambda s: parallel.param_shardings(s, dual_mesh)`).
-    """
-    from composer_jax.model import CausalLM
-
-    cfg = model_config(directory, overrides)
-    abstract = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
-    if callable(shardings):
-        shardings = shardings(state)
+def restore_params(directory: str | Path, abstract: dict, shardings=None) -> dict:
+    """The params of a converted model directory, restored like `abstract` (a nested dict of arrays or
+    ShapeDtypeStructs, e.g. `nnx.to_pure_dict` of an abstract model's state) with `shardings` (None:
+    the first device; or an nnx.State / nested dict of shardings of the same tree)."""
     by_path = flat_shardings(shardings) if shardings is not None else {}
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
@@ -196,14 +185,8 @@ def load_model(directory: str | Path, overrides=(), *, shardings=None) -> nnx.Mo
         key = path_keys(path)
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=by_path.get(key, default))
 
-    pure = nnx.to_pure_dict(state)
-    restored = ocp.StandardCheckpointer().restore(Path(directory).absolute() / PARAMS_DIR,
-                                                  jax.tree_util.tree_map_with_path(target, pure))
-    nnx.replace_by_pure_dict(state, restored)
-    model = nnx.merge(graphdef, state)
-    if (Path(directory) / HF_FILES).is_dir():  # the source checkpoint's EOS ids, as from_pretrained sets them
-        model.eos_token_ids = eos_token_ids(Path(directory) / HF_FILES)
-    return model
+    return ocp.StandardCheckpointer().restore(Path(directory).absolute() / PARAMS_DIR,
+                                              jax.tree_util.tree_map_with_path(target, abstract))
 
 
 def write_model_config(directory: Path, cfg: ModelConfig) -> None:

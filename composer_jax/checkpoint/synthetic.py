@@ -1,9 +1,10 @@
 """Synthetic Hugging Face checkpoints of any size, written in bounded memory (benchmarks, smoke tests).
 
-`write_synthetic_hf(path, cfg, fmt)` writes config.json, sharded safetensors and an index for
-`CausalLM(cfg)` with uniform random weights: all bf16, or K2.5-style INT4 routed experts (random packed
-nibbles, bf16 group scales), or DeepSeek-style FP8 linear weights with 128x128 block scales. Tensors are
-generated and written a row block at a time, so a multi-GB checkpoint needs only a few MB of memory.
+`write_synthetic_hf(path, cfg, fmt, params_of=model.abstract_params)` writes config.json, sharded
+safetensors and an index for the parameters of `cfg`'s model with uniform random weights: all bf16, or
+K2.5-style INT4 routed experts (random packed nibbles, bf16 group scales), or DeepSeek-style FP8 linear
+weights with 128x128 block scales. Tensors are generated and written a row block at a time, so a
+multi-GB checkpoint needs only a few MB of memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from composer_jax.checkpoint.hf import plan_leaves
+from composer_jax.checkpoint.hf import ParamsOf, plan_leaves
 from composer_jax.checkpoint.hf_config import hf_config_from
 from composer_jax.checkpoint.safetensors_io import SafetensorsWriter, group_shards, shard_name, write_index
 from composer_jax.config import ModelConfig
@@ -29,10 +30,10 @@ QUANT_CONFIGS = {
 }
 
 
-def _tensors(cfg: ModelConfig, fmt: str):
+def _tensors(cfg: ModelConfig, fmt: str, params_of: ParamsOf):
     """[(key, dtype, shape, kind)]: kind says how to fill it (normal / bias / packed / scale / shape)."""
     out = []
-    for leaf in plan_leaves(cfg):
+    for leaf in plan_leaves(params_of(cfg), cfg):
         for t in leaf.plan.flat:
             dtype = np.dtype(np.float32) if t.key.endswith("e_score_correction_bias") else BF16
             rows, cols = (t.hf_shape + (1,))[:2]
@@ -66,9 +67,10 @@ def _fill(writer: SafetensorsWriter, key, dtype, shape, kind, rng, block_bytes: 
         writer.write(key, data, a)
 
 
-def write_synthetic_hf(path: str | Path, cfg: ModelConfig, fmt: str = "bf16", *, shard_bytes: int = 1 << 30,
-                       seed: int = 0, block_bytes: int = 16 << 20) -> int:
-    """Write a random HF checkpoint of `cfg` in `fmt` ('bf16', 'int4' or 'fp8') to `path`; returns bytes."""
+def write_synthetic_hf(path: str | Path, cfg: ModelConfig, fmt: str = "bf16", *, params_of: ParamsOf,
+                       shard_bytes: int = 1 << 30, seed: int = 0, block_bytes: int = 16 << 20) -> int:
+    """Write a random HF checkpoint of `cfg` in `fmt` ('bf16', 'int4' or 'fp8') to `path`; returns bytes.
+    `params_of`: the parameter tree of a config (`composer_jax.model.abstract_params`)."""
     if fmt not in ("bf16", "int4", "fp8"):
         raise ValueError(f"fmt must be bf16, int4 or fp8, got {fmt!r}")
     path = Path(path)
@@ -77,7 +79,7 @@ def write_synthetic_hf(path: str | Path, cfg: ModelConfig, fmt: str = "bf16", *,
     if fmt in QUANT_CONFIGS:
         hf["quantization_config"] = QUANT_CONFIGS[fmt]
     (path / "config.json").write_text(json.dumps(hf, indent=2))
-    tensors = _tensors(cfg, fmt)
+    tensors = _tensors(cfg, fmt, params_of)
     shards = group_shards([(t, t[1].itemsize * math.prod(t[2])) for t in tensors], shard_bytes)
     rng, total, weight_map = np.random.default_rng(seed), 0, {}
     for i, group in enumerate(shards):

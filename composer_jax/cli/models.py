@@ -99,6 +99,7 @@ def _stream_args(p: argparse.ArgumentParser) -> None:
 
 def _run_convert(args) -> int:
     from composer_jax.checkpoint.convert import convert
+    from composer_jax.model import abstract_params
 
     mesh_sizes = None
     if args.mesh is not None or args.devices is not None:
@@ -112,7 +113,7 @@ def _run_convert(args) -> int:
                                     prefix="mesh")
         mesh_sizes = resolve_sizes(mesh, args.devices)
     progress = log_to_stderr("convert", args.quiet)
-    convert(args.src, args.dst, args.overrides, mesh_sizes=mesh_sizes, workers=args.workers,
+    convert(args.src, args.dst, args.overrides, params_of=abstract_params, mesh_sizes=mesh_sizes, workers=args.workers,
             chunk_bytes=args.chunk_mb << 20, compress=args.compress, strict=not args.allow_extra,
             overwrite=args.overwrite, restart=args.restart, progress=progress)
     return 0

@@ -2,6 +2,7 @@
 
 from flax import nnx
 
+from composer_jax.model.accounting import abstract_params
 from composer_jax.model.layers import RouterBias
 from composer_jax.model.transformer import CausalLM, Output
 
@@ -11,4 +12,4 @@ def split_model(model: CausalLM):
     return nnx.split(model, nnx.Param, RouterBias, ...)
 
 
-__all__ = ["CausalLM", "Output", "split_model"]
+__all__ = ["CausalLM", "Output", "abstract_params", "split_model"]

@@ -105,6 +105,12 @@ def abstract_model(cfg: ModelConfig) -> CausalLM:
     return nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
+def abstract_params(cfg: ModelConfig) -> list[tuple[tuple[str, ...], nnx.Variable]]:
+    """(path, abstract variable) of every parameter of `CausalLM(cfg)`, with its shape, dtype and
+    logical `axes`: the tree checkpoint/ lays onto Hugging Face tensors. Allocates nothing."""
+    return [(tuple(str(p) for p in path), var) for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg)))]
+
+
 def _component(path: tuple, owner: nnx.Module, parent: nnx.Module | None, var: nnx.Variable) -> str:
     """Which COMPONENTS bucket a leaf belongs to, from the module that owns it."""
     if isinstance(owner, RMSNorm):

@@ -36,8 +36,9 @@ def loading_peak(cfg: ModelConfig, sizes: dict[str, int], devices_per_host: int,
     """The host peak of loading `cfg`'s parameters onto a layout of mesh `sizes` with `devices_per_host`
     devices a host; `read_itemsize`: bytes per value of the source as read (4 for INT4 / FP8, dequantized)."""
     from composer_jax.checkpoint.hf import plan_leaves
+    from composer_jax.model import abstract_params
 
-    tensors = {leaf.path: leaf.plan for leaf in plan_leaves(cfg)}
+    tensors = {leaf.path: leaf.plan for leaf in plan_leaves(abstract_params(cfg), cfg)}
     best = LoadingPeak(0, "", 0, 0)
     for leaf in param_leaves(cfg, sizes):
         stacked = leaf.path[0] in STACKS and len(leaf.shape) > 1

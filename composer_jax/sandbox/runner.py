@@ -282,12 +282,3 @@ def _kill_tree(proc: subprocess.Popen, cgroup: Cgroup | None) -> None:
         pass
     if cgroup is not None:
         cgroup.kill_all()
-
-
-def make_sandbox(backend: str = "bwrap", limits: Limits | None = None):
-    """A Sandbox ('bwrap', 'none') or, for 'ray', a RaySandbox: the same interface, run on a Ray cluster."""
-    if backend == "ray":
-        from composer_jax.sandbox.ray_sandbox import RaySandbox
-
-        return RaySandbox(limits)
-    return Sandbox(backend, limits)
