@@ -240,7 +240,7 @@ def _run_generate(args) -> int:
     from composer_jax.data.chat import format_for, get_chat_format
     from composer_jax.infer import Engine, GenerationError, SamplingParams
     from composer_jax.infer.config import GenerateConfig
-    from composer_jax.infer.generate import default_max_len, default_slots, free_memory_bytes, request_seeds
+    from composer_jax.infer.generate import default_max_len, default_slots, draft_count, free_memory_bytes, request_seeds
     from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]
@@ -267,9 +267,10 @@ def _run_generate(args) -> int:
         if stops and detokenize is None:
             raise ValueError(f"stop strings need a tokenizer, and {args.model} has none")
         max_len = gen.max_len or default_max_len(model.cfg, [p for _, p in prompts], gen.max_new_tokens)
-        slots = gen.max_slots or default_slots(model.cfg, len(prompts), max_len, gen.speculative, free_memory_bytes())
+        drafts = draft_count(model, gen.speculative, gen.draft_tokens)
+        slots = gen.max_slots or default_slots(model.cfg, len(prompts), max_len, drafts, free_memory_bytes())
         engine = Engine(model, max_slots=slots, steps_per_call=gen.steps_per_call, max_len=max_len,
-                        speculative=gen.speculative, eos_ids=opened.eos_ids, detokenize=detokenize)
+                        speculative=drafts > 0, draft_tokens=drafts, eos_ids=opened.eos_ids, detokenize=detokenize)
         ids = {}
         for (where, tokens), seed in zip(prompts, request_seeds(gen.seed, len(prompts))):
             try:
@@ -313,7 +314,7 @@ def _run_generate(args) -> int:
     total, compiling = sum(len(c.tokens) for c in done.values()), engine.stats["compile_s"]
     line = (f"generated {total} tokens in {wall:.2f} s ({compiling:.1f} s compiling): "
             f"{total / max(wall - compiling, 1e-9):.1f} tokens/s")
-    if gen.speculative:
+    if engine.speculative:
         acc = engine.acceptance
         line += (f"; acceptance {100 * acc['acceptance_rate']:.1f}%, mean accepted length "
                  f"{acc['mean_accepted_length']:.2f}")
@@ -328,7 +329,8 @@ def _add_generate(sub) -> None:
                                    "writes one JSON line per --prompts record (source, tokens, logprobs, "
                                    "finish_reason, text); prints tokens/s (and acceptance) to stderr. Settings as "
                                    "key=value: max_new_tokens, temperature (0: greedy), top_p, top_k, seed, "
-                                   "speculative, stop, max_slots, max_len, steps_per_call; model.KEY=VALUE "
+                                   "speculative (off/on/auto), draft_tokens, stop, max_slots, max_len, "
+                                   "steps_per_call; model.KEY=VALUE "
                                    "overrides the model config (e.g. model.dtype=bfloat16).")
     p.add_argument("model", help="a Hugging Face directory, a converted directory or a training run directory")
     source = p.add_mutually_exclusive_group(required=True)

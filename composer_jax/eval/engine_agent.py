@@ -36,6 +36,7 @@ from composer_jax.envs.protocol import FORMATS, ToolFormat, get_format
 from composer_jax.eval.agent import AgentTurn, ContextFull, TurnRequest
 from composer_jax.eval.errors import EvalError
 from composer_jax.infer import Completion, Engine, GenerationError, SamplingParams
+from composer_jax.infer.config import Speculative
 
 MAX_LEN_CAP = 32768   # the default context when the model allows more (the cache is max_slots x max_len)
 
@@ -50,6 +51,7 @@ class EngineAgentConfig:
     max_slots: int = 8              # episodes decoding at once (more workers queue)
     steps_per_call: int = 8         # decode steps per engine call
     format: str = ""                # tool-call format; "": kimi if the tokenizer has its special tokens, else plain
+    speculative: Speculative = "auto"   # MTP speculative decoding: off, on, auto (infer.speculation)
 
     def __post_init__(self):
         for name in ("max_new_tokens", "max_slots", "steps_per_call"):
@@ -60,6 +62,7 @@ class EngineAgentConfig:
         if self.format and self.format not in FORMATS:
             raise ConfigError("format", f"must be one of {', '.join(FORMATS)} or empty, got {self.format!r}")
         SamplingParams(self.temperature, self.top_p, self.top_k)   # its checks, ValueError naming the field
+        object.__setattr__(self, "speculative", Speculative.from_config(self.speculative, "speculative"))
 
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, seed % 2**32)
@@ -115,7 +118,8 @@ class EngineAgent:
         self.stop_tokens, self.stop_strings = turn_stops(tokenizer, self.fmt, eos_ids)
         try:
             self.engine = Engine(model, max_slots=config.max_slots, max_len=max_len,
-                                 steps_per_call=config.steps_per_call, eos_ids=self.stop_tokens,
+                                 steps_per_call=config.steps_per_call, speculative=config.speculative,
+                                 eos_ids=self.stop_tokens,
                                  detokenize=lambda ids: tokenizer.decode(ids))
         except GenerationError as e:
             raise EvalError(f"{name}: {e}") from None
