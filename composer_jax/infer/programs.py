@@ -7,7 +7,8 @@ shapes, dtypes and placement (a new policy version) never retrace, and both dona
 they update in place. Shapes depend only on (slots, cache length, chunk width, decode steps, attended
 cache length), so a stream of requests of any lengths runs on a few decode programs and one prefill
 program per chunk width. The MoE layers dispatch with the backend fastest for each program's token
-count on the platform (`dispatch.inference_backend`), whatever the model trains with.
+count on the platform (`dispatch.inference_backend`, chosen per forward pass), whatever the model
+trains with.
 
 The cache holds, per layer, slot and position, the MLA latent (normalised c_kv and the rotated shared
 rope key); a slot's first `lengths[slot]` positions are valid. Rolling back is lowering a length:
@@ -133,7 +134,7 @@ def _main(model, latents: Latents, lengths, tokens, n_valid, absorbed: bool, att
     """The main model over tokens int32[slots, width] at positions lengths + i, attending to the cache's
     first `attend` positions (None: all). Returns (hidden [slots, width, embed], latents with the first
     n_valid[s] new positions stored)."""
-    out = model.forward(tokens, positions=_positions(lengths, tokens.shape[1]),
+    out = _dispatching(model, tokens.size).forward(tokens, positions=_positions(lengths, tokens.shape[1]),
                         prefix=_prefix(latents, lengths, attend),
                         with_mtp=False, return_latents=True, absorbed=absorbed)
     return out.hidden, _write(latents, out.latents.c_kv, out.latents.k_rope, lengths, n_valid)
@@ -144,7 +145,7 @@ def _mtp(model, latents: Latents, depth: int, lengths, hidden, following, n_vali
     """MTP depth `depth` (0-based) at positions lengths + i: the previous depth's hidden [slots, width,
     embed] there and the tokens that depth sees int32[slots, width]. Returns (hidden, head-normed hidden,
     latents with n_valid[s] positions stored in that depth's layer)."""
-    out, normed, (c_kv, k_rope) = model.mtp_step(hidden, following, _positions(lengths, hidden.shape[1]),
+    out, normed, (c_kv, k_rope) = _dispatching(model, following.size).mtp_step(hidden, following, _positions(lengths, hidden.shape[1]),
                                                  _prefix(latents, lengths, attend), depth=depth, absorbed=absorbed)
     return out, normed, _write(latents, c_kv, k_rope, lengths, n_valid, depth)
 
@@ -192,14 +193,17 @@ def _chain(model, mtp: Latents, lengths, hidden, stream, n_valid, drafting, samp
     return mtp, jnp.stack(tokens, axis=1), jnp.stack(dists, axis=1)
 
 
-def _use_inference_dispatch(model, tokens: int) -> None:
-    """Switch the (merged, traced) model's MoE layers to the dispatch backend fastest for a forward of
-    `tokens` tokens (dispatch.inference_backend). Layers placed on a mesh keep theirs: their experts
-    are laid out for it."""
+def _dispatching(model, tokens: int):
+    """The (traced) model with its MoE layers switched to the dispatch backend fastest for a forward of
+    `tokens` tokens (dispatch.inference_backend): a view merged anew, so that each forward a program
+    traces (a speculative step's passes differ in width) gets its own, also inside a loop. Layers
+    placed on a mesh keep theirs: their experts are laid out for it."""
+    model = nnx.merge(*nnx.split(model))
     k = model.cfg.moe.num_experts_per_tok
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MoE) and module.mesh is None:
             module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
+    return model
 
 
 def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling, attend: int):
@@ -212,7 +216,6 @@ def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead,
     Returns (cache, Sampled per slot: meaningful where finishing)."""
     _traced("prefill")
     model = nnx.merge(graphdef, state)
-    _use_inference_dispatch(model, tokens.size)
     hidden, main = _main(model, cache.main, lengths, tokens, n_valid, absorbed=False, attend=attend)
     last, index = n_valid - 1, lengths + n_valid
     first = sample(model.logits(_at(hidden, last)), sampling, index)
@@ -282,7 +285,6 @@ def _decode(graphdef, state, cache: Cache, slots: Slots, steps: int, attend: int
     model = nnx.merge(graphdef, state)
     per_step = 1 if cache.mtp is None else cache.draft.shape[1] + 1
     n = slots.lengths.shape[0]
-    _use_inference_dispatch(model, n * per_step)
     step = functools.partial(_plain_step if cache.mtp is None else _speculative_step, attend=attend)
     zeros = lambda dtype, *shape: jnp.zeros(shape, dtype)  # noqa: E731
     emitted = Emitted(zeros(jnp.int32, steps, n, per_step), zeros(jnp.float32, steps, n, per_step),
