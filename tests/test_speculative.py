@@ -24,6 +24,7 @@ from composer_jax.infer import Engine, GenerationError, SamplingParams, generate
 from composer_jax.infer.config import GenerateConfig
 from composer_jax.infer.sampling import SlotSampling
 from composer_jax.infer.speculative import verify
+from composer_jax.rl.run_config import load_rl_config
 from tests.random_models import random_model
 from tests.sampling_reference import sampling_probs
 
@@ -82,17 +83,16 @@ def test_speculative_greedy_equals_plain_greedy(model, engines, greedy_plain):
     assert result.mean_accepted_length == pytest.approx(1 + drafts * result.acceptance_rate)
 
 
-@pytest.mark.parametrize("depths,drafts", [(1, 1), (2, 3)])
-def test_draft_counts_and_depths_keep_greedy_and_count_acceptance(model, engines, greedy_plain, depths, drafts):
-    """1 draft; 3 drafts by two chained depths and the second again one position on (2 drafts by one
-    depth run twice: the test above): the plain greedy tokens, on a batch of prompts of 5 lengths. Each
+def test_chained_depths_keep_greedy_and_count_acceptance(model, engines, greedy_plain):
+    """3 drafts by two chained MTP depths and the second again one position on (2 drafts by one depth
+    run twice: the test above) give the plain greedy tokens on a batch of prompts of 5 lengths. The
     engine compiles one decode program for all its calls and makes no implicit device-to-host transfer
     while decoding; another engine decoding meanwhile in another thread counts none of its traces. With
     self-drafting weights (swapped in, nothing recompiles) every draft is accepted; with drafts that are
     always the least likely token, none is."""
     prompts, plain = greedy_plain
-    cfg = model.cfg if depths == 1 else config.replace(model.cfg, **{"mtp.num_layers": depths})
-    chained = model if depths == 1 else random_model(cfg, 2)     # the main weights come first: the same
+    depths, drafts = 2, 3
+    chained = random_model(config.replace(model.cfg, **{"mtp.num_layers": depths}), 2)  # main weights: `model`'s
     engine = Engine(chained, speculative="on", draft_tokens=drafts, **SMALL)
     assert engine.cache.mtp.c_kv.shape[0] == depths and engine.cache.draft.shape == (SMALL["max_slots"], drafts)
     other, traced = engines["plain"], dict(engines["plain"].traces)
@@ -160,6 +160,10 @@ def test_speculative_setting_resolves_and_names_the_key(model):
         GenerateConfig(draft_tokens=-1)
     with pytest.raises(GenerationError, match="speculative must be one of"):
         Engine(model, speculative="maybe", **SMALL)
+    # the RL key: rollouts (and the runs' evaluation) pass it to the engine agent
+    assert load_rl_config("rl-tiny", ["rollout.speculative=on"]).rollout.speculative == "on"
+    with pytest.raises(ConfigError, match=r"rollout.speculative.*mtp.num_layers=0"):
+        load_rl_config("rl-tiny", ["rollout.speculative=on", "model.mtp.num_layers=0"])
 
 
 def _exact_joint(model, prompt):

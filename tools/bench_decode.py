@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", nargs="*", default=["tiny", "weight_bound"],
                         help="model sizes of the self-drafting rows (bench/decode_peer.py MODEL_SIZES)")
     parser.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3], help="draft counts of those rows")
+    parser.add_argument("--sizes-batch", type=int, default=1, help="requests decoded at once in those rows")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     ensure_run(run_dir)
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
                "prefill": prefill_figures(model, opened.tokenizer, 8, max_len - 1, 32, args.reps),
                "cache": {"tiny": cache_figures(cfg), "kimi-k2.5": cache_figures(load_config("kimi-k2.5"))},
                "sizes": speculative_sizes(tuple(args.sizes), tuple(args.drafts), args.prompt_len, args.new_tokens,
-                                          args.reps),
+                                          args.reps, args.sizes_batch),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "load_average": [round(x, 2) for x in os.getloadavg()]},
                "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}

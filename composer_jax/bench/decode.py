@@ -139,10 +139,11 @@ def self_drafting(model, wrong: bool = False):
     return twin
 
 
-def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: int, reps: int) -> dict:
-    """Plain against speculative greedy decoding of one request per model size of decode_peer.MODEL_SIZES
-    (random weights, one MTP depth, `self_drafting`: every draft accepted) and draft count, one decode
-    call per generation."""
+def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: int, reps: int,
+                      batch: int = 1) -> dict:
+    """Plain against speculative greedy decoding of `batch` requests per model size of
+    decode_peer.MODEL_SIZES (random weights, one MTP depth, `self_drafting`: every draft accepted) and
+    draft count, one decode call per generation."""
     import numpy as np
     from flax import nnx
 
@@ -155,13 +156,13 @@ def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: 
     for name in sizes:
         cfg = load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=1", f"rope.max_position_embeddings={positions}"])
         model = self_drafting(CausalLM(cfg, rngs=nnx.Rngs(0)))
-        batch = [np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()]
-        engine_args = dict(max_slots=1, max_len=prompt_len + new_tokens + 1, steps_per_call=new_tokens,
+        rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+        engine_args = dict(max_slots=batch, max_len=prompt_len + new_tokens + 1, steps_per_call=new_tokens,
                            chunk_sizes=(prompt_len,))
-        rows = [compare(model, batch, new_tokens, lambda i: SamplingParams(temperature=0.0), reps, k, **engine_args)
-                for k in drafts]
-        out[name] = {"overrides": list(MODEL_SIZES[name]), "weight_bytes": int(step_bytes(model, 1, 0)["all_weights"]),
-                     "rows": rows}
+        out[name] = {"overrides": list(MODEL_SIZES[name]), "batch": batch,
+                     "weight_bytes": int(step_bytes(model, 1, 0)["all_weights"]),
+                     "rows": [compare(model, rows, new_tokens, lambda i: SamplingParams(temperature=0.0), reps, k,
+                                      **engine_args) for k in drafts]}
     return out
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 SETTINGS = ("off", "on", "auto")
 DEFAULT_DRAFT_TOKENS = 2    # drafts per step when the setting gives none: see docs/inference.md's Measured table
 
-# platform -> speculative faster than plain at batch 1? Each from `python tools/bench_decode.py --sizes tiny
-# weight_bound` (bench/decode.py), MTP depths that draft well (see docs/inference.md, Measured).
+# platform -> speculative decoding faster than plain? Each from `python tools/bench_decode.py` (bench/decode.py:
+# the trained tiny run and self-drafting models of the peer bench's sizes; docs/inference.md, Measured).
 MEASURED_FASTER = {
-    "cpu": False,   # 2-core CPU, 2026-12-03: tiny 0.xx x, weight_bound 0.xx x at 2 drafts (acceptance 100%)
+    # 2-core CPU, 2026-12-03, batch 1, every draft accepted: weight_bound 1.03x / 0.85x / 0.54x at 1 / 2 / 3
+    # drafts (a second run 0.84x / 0.94x), tiny 0.55x / 0.85x / 0.54x; the trained tiny run 0.45-0.57x at 2
+    "cpu": False,
 }
 
 
