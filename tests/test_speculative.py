@@ -153,7 +153,8 @@ def test_speculative_setting_resolves_and_names_the_key(model):
         speculation.draft_tokens("on", 0, cpu)
     # config values: YAML's on / off are booleans; bad values name the key
     for raw, want in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
-        assert from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, [f"speculative={raw}"])).speculative == want
+        read = from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, [f"speculative={raw}"]))
+        assert read.speculative == want
     with pytest.raises(ConfigError, match="speculative.*one of off, on, auto"):
         from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, ["speculative=sometimes"]))
     with pytest.raises(ConfigError, match="draft_tokens"):

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-call", type=int, default=0,
                         help="decode steps per engine call (default 0: all of a generation in one call)")
     parser.add_argument("--dispatch", default=None, help="override model.moe.dispatch (default: the run's)")
-    parser.add_argument("--draft-tokens", type=int, default=0, help="drafts per step on the trained run (0: the default)")
+    parser.add_argument("--draft-tokens", type=int, default=0,
+                        help="drafts per step on the trained run (0: the default)")
     parser.add_argument("--sizes", nargs="*", default=["tiny", "weight_bound"],
                         help="model sizes of the self-drafting rows (bench/decode_peer.py MODEL_SIZES)")
     parser.add_argument("--drafts", nargs="+", type=int, default=[1, 2, 3], help="draft counts of those rows")

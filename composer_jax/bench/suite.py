@@ -180,8 +180,8 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
         for size, sized in results["decode"]["sizes"].items():
             for r in sized["rows"]:
                 out.append((f"  {size} self-drafting, {r['draft_tokens']} drafts",
-                            f"{r['speculative_tokens_per_s']:,.0f} tok/s", f"plain {r['plain_tokens_per_s']:,.0f} tok/s",
-                            f"x{r['speedup']:.2f}"))
+                            f"{r['speculative_tokens_per_s']:,.0f} tok/s",
+                            f"plain {r['plain_tokens_per_s']:,.0f} tok/s", f"x{r['speedup']:.2f}"))
     for size, r in results.get("decode_peer", {}).get("sizes", {}).items():
         for row in r["rows"]:
             out.append((f"decode {size} batch {row['batch']}", f"{row['ours_tokens_per_s']:,.0f} tok/s "

@@ -240,7 +240,8 @@ def _run_generate(args) -> int:
     from composer_jax.data.chat import format_for, get_chat_format
     from composer_jax.infer import Engine, GenerationError, SamplingParams
     from composer_jax.infer.config import GenerateConfig
-    from composer_jax.infer.generate import default_max_len, default_slots, draft_count, free_memory_bytes, request_seeds
+    from composer_jax.infer.generate import (default_max_len, default_slots, draft_count, free_memory_bytes,
+                                             request_seeds)
     from composer_jax.source_weights import open_model
 
     model_overrides = [o.removeprefix("model.") for o in args.overrides if o.startswith("model.")]

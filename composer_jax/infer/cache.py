@@ -27,7 +27,7 @@ class Cache(NamedTuple):
     """What the programs carry from call to call (donated). The speculative fields are None in plain mode."""
 
     main: Latents                        # the main model's layers
-    mtp: Latents | None                  # the drafting MTP depths [depths, slots, len, ...]: depth k's inputs (h[k-1, i], t[i+k])
+    mtp: Latents | None                  # drafting MTP depths [depths, slots, len, ...]: (h[k-1, i], t[i+k])
     draft: jax.Array | None              # int32[slots, drafts]: each slot's drafts of the tokens after its pending one
     draft_logprobs: jax.Array | None     # f32[slots, drafts, vocab]: the distributions they were drawn from
 

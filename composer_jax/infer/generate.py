@@ -101,9 +101,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     tokens depend only on its own seed, prompt and settings. stop_tokens None: the model's EOS ids
     (`model.eos_token_ids`, read from the checkpoint), if any. speculative: MTP speculative decoding
     (off / on / auto or a bool, `infer.speculation`; the same greedy output, the same sampling
-    distribution) with `draft_tokens` drafts per step (0: the default). max_slots (default: every prompt at once, rounded
-    up to share programs, as far as memory allows: `default_slots`), max_len (default: the longest
-    prompt plus max_new_tokens, rounded up) size the engine.
+    distribution) with `draft_tokens` drafts per step (0: the default). max_slots (default: every prompt
+    at once, rounded up to share programs, as far as memory allows: `default_slots`), max_len (default:
+    the longest prompt plus max_new_tokens, rounded up) size the engine.
     """
     prompts = [list(p) for p in prompts]
     if not prompts:

@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.infer.cache import Cache, Latents
-from composer_jax.infer.sampling import DRAFT, SAMPLE, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
+from composer_jax.infer.sampling import DRAFT, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
 from composer_jax.infer.speculative import verify
 from composer_jax.model.attention import LatentCache
 from composer_jax.model.dispatch import inference_backend
@@ -135,8 +135,8 @@ def _main(model, latents: Latents, lengths, tokens, n_valid, absorbed: bool, att
     first `attend` positions (None: all). Returns (hidden [slots, width, embed], latents with the first
     n_valid[s] new positions stored)."""
     out = _dispatching(model, tokens.size).forward(tokens, positions=_positions(lengths, tokens.shape[1]),
-                        prefix=_prefix(latents, lengths, attend),
-                        with_mtp=False, return_latents=True, absorbed=absorbed)
+                                                   prefix=_prefix(latents, lengths, attend),
+                                                   with_mtp=False, return_latents=True, absorbed=absorbed)
     return out.hidden, _write(latents, out.latents.c_kv, out.latents.k_rope, lengths, n_valid)
 
 
@@ -145,8 +145,9 @@ def _mtp(model, latents: Latents, depth: int, lengths, hidden, following, n_vali
     """MTP depth `depth` (0-based) at positions lengths + i: the previous depth's hidden [slots, width,
     embed] there and the tokens that depth sees int32[slots, width]. Returns (hidden, head-normed hidden,
     latents with n_valid[s] positions stored in that depth's layer)."""
-    out, normed, (c_kv, k_rope) = _dispatching(model, following.size).mtp_step(hidden, following, _positions(lengths, hidden.shape[1]),
-                                                 _prefix(latents, lengths, attend), depth=depth, absorbed=absorbed)
+    out, normed, (c_kv, k_rope) = _dispatching(model, following.size).mtp_step(
+        hidden, following, _positions(lengths, hidden.shape[1]), _prefix(latents, lengths, attend), depth=depth,
+        absorbed=absorbed)
     return out, normed, _write(latents, c_kv, k_rope, lengths, n_valid, depth)
 
 
