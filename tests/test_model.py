@@ -89,7 +89,7 @@ def test_yarn_at_full_k25_size():
     assert rope.softmax_scale(tiny.mla, tiny.rope) == pytest.approx(24 ** -0.5 * (0.1 * math.log(4) + 1) ** 2)
 
 
-@pytest.mark.parametrize("backend", ["ragged", "gather", "blocked"])
+@pytest.mark.parametrize("backend", ["dense_batched", "ragged", "gather", "blocked"])
 def test_dispatch_equals_dense_values_and_grads(backend):
     rng = np.random.default_rng(1)
     e, d, f, t, k = 8, 12, 10, 40, 3

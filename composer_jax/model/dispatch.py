@@ -5,6 +5,10 @@
     experts: ExpertWeights(gate [E, embed, f], up [E, embed, f], down [E, f, embed]); y: [tokens, embed]
 
 - `dense`: every expert on every token, combined with a one-hot weight matrix. The reference.
+- `dense_batched`: `dense` with the tokens broadcast over the expert axis, so each matmul is a batched
+  one over the weights as stored ("td,edf" transposes every expert's weights first: 13x slower on CPU at
+  decode shapes). Inference only (`inference_backend`): its rounding differs from `dense`'s by ~1e-7,
+  which training's reference checks must not see.
 - `ragged`: assignments sorted by expert, grouped matmuls with `jax.lax.ragged_dot`, unsorted and summed.
   Dropless; compute proportional to tokens * k.
 - `gather`: a loop over the assignments, each applying its expert's weights (sliced in place) to its
@@ -16,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -28,12 +33,19 @@ class ExpertWeights(NamedTuple):
     down: jax.Array  # [experts, moe_mlp, embed]
 
 
-def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
+def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights, batched: bool = False) -> jax.Array:
     num_experts = w.gate.shape[0]
     combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, num_experts, dtype=weights.dtype))
-    h = jax.nn.silu(jnp.einsum("td,edf->etf", x, w.gate)) * jnp.einsum("td,edf->etf", x, w.up)
+    if batched:     # the tokens broadcast over the experts: a batched matmul over the weights as stored
+        xe = jnp.broadcast_to(x, (num_experts, *x.shape))
+        h = jax.nn.silu(jnp.einsum("etd,edf->etf", xe, w.gate)) * jnp.einsum("etd,edf->etf", xe, w.up)
+    else:
+        h = jax.nn.silu(jnp.einsum("td,edf->etf", x, w.gate)) * jnp.einsum("td,edf->etf", x, w.up)
     out = jnp.einsum("etf,efd->etd", h, w.down)
     return jnp.einsum("te,etd->td", combine, out.astype(jnp.float32)).astype(x.dtype)
+
+
+dense_batched = functools.partial(dense, batched=True)
 
 
 def ragged(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
@@ -107,16 +119,18 @@ def inference_backend(platform: str, tokens: int, k: int, experts: int, configur
 
     On CPU, as measured (`composer-jax bench --sections decode_peer` records it at decode shapes):
     `gather` while the assignments touch fewer expert matrices than there are experts (it reads only
-    those); else `dense` while its rows (every expert on every token) are at most twice `blocked`'s
-    (the assignments plus each expert's last partial block), whose sorting costs about that much
-    (16 experts, top-4, with a batched dense, see docs/inference.md: dense up to 8 tokens, blocked
-    1.6x faster at 32 tokens, 2.2x at 128, 2.8x at 2048; `ragged` was 1.5-5x slower than dense). Elsewhere the model's own (`configured`) backend."""
+    those); else `dense_batched` while its rows (every expert on every token) are at most twice
+    `blocked`'s (the assignments plus each expert's last partial block), whose sorting costs about that
+    much (16 experts, top-4, see docs/inference.md: dense_batched up to 8 tokens, blocked 1.6x faster at
+    32 tokens, 2.2x at 128, 2.8x at 2048; `ragged` was 1.5-5x slower). Elsewhere the model's own
+    (`configured`) backend."""
     if platform != "cpu":
         return configured
     if tokens * k < experts:
         return "gather"
     padded = tokens * k + experts * (block_rows(tokens, k, experts) - 1)
-    return "dense" if experts * tokens <= 2 * padded else "blocked"
+    return "dense_batched" if experts * tokens <= 2 * padded else "blocked"
 
 
-BACKENDS: dict[str, Callable[..., jax.Array]] = {"dense": dense, "ragged": ragged, "gather": gather, "blocked": blocked}
+BACKENDS: dict[str, Callable[..., jax.Array]] = {"dense": dense, "dense_batched": dense_batched, "ragged": ragged,
+                                                 "gather": gather, "blocked": blocked}
