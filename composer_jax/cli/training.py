@@ -6,8 +6,8 @@ import os
 import sys
 import traceback
 
-from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_error, command_group, load_model_or_run_config, positive_int,
-                                     quiet_logging, subcommand)
+from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_error, command_group, load_model_or_run_config,
+                                     positive_int, quiet_logging, subcommand)
 from composer_jax.config import ConfigError
 from composer_jax.config_reference import KINDS as KEY_KINDS
 from composer_jax.cpu_devices import use_cpu_devices
@@ -27,13 +27,13 @@ def _run_training(args, command: str) -> int:
     use_cpu_devices(cfg.train.cpu_devices)
     quiet_logging()
     from composer_jax.train.lifecycle import interrupted_line
-
     from composer_jax.train.loop import train
 
     s, reports = _in_group(args, command, lambda: train(cfg))
     if "interrupted" in s:
         if reports:
-            print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+            print(interrupted_line(command, s["interrupted"], s["end_step"], s["checkpoint"], args.argv),
+                  file=sys.stderr)
         return s["exit_status"]
     if not reports:
         return 0
@@ -88,7 +88,7 @@ def _in_group(args, command: str, run, one_line: tuple = ()) -> tuple[dict, bool
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         watchdog.fail(f"{type(e).__name__}: {reason}")
         if isinstance(e, (*USAGE_ERRORS, *one_line)):
-            print(f"composer-jax {command}: error: {e}", file=sys.stderr)
+            command_error(command, e)
         else:
             traceback.print_exc()
         sys.stdout.flush()
@@ -174,7 +174,8 @@ def _run_rl(args) -> int:
         return command_error("rl", e, 1)
     if "interrupted" in s:
         if reports:
-            print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
+            print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv),
+                  file=sys.stderr)
         return s["exit_status"]
     if not reports:
         return 0
