@@ -187,7 +187,7 @@ class RLRunConfig:
     init_from: str = ""
     tokenizer: str = ""             # "byte", a tokenizer.json / tiktoken file; "": init_from's, else byte
     seed: int = 0                   # model initialisation and rollout sampling
-    cpu_devices: int = 8            # fake host devices for the learner in CPU runs (set before JAX starts); the in-process engine's rollout.devices come on top
+    cpu_devices: int = 8            # fake host devices for CPU runs (set before JAX starts); an in-process engine's own rollout.devices come on top
     progress: bool = True           # the progress bar (stderr)
     run_dir: str = "runs/rl"
 
