@@ -12,7 +12,7 @@ from flax import nnx
 from scipy.special import log_softmax
 
 from composer_jax import config, load_config
-from composer_jax.infer import Engine, GenerationError, SamplingParams, programs
+from composer_jax.infer import Engine, GenerationError, SamplingParams
 from composer_jax.infer.cache import latent_bytes_per_token, per_head_kv_bytes_per_token
 from composer_jax.infer.engine import attend_length
 from composer_jax.infer.generate import default_slots
@@ -182,11 +182,11 @@ def test_weights_swap_in_place_without_recompiling(cfg, model):
     engine = Engine(model, **SHAPES)
     prompt = _prompts(6, [9])[0]
     before = _run_alone(engine, prompt, max_new_tokens=6, sampling=SamplingParams(0.0), stop_tokens=[])
-    traces = sum(programs.TRACES.values())
+    traces = sum(engine.traces.values())
     other = random_model(cfg, 99)
     engine.update_weights(nnx.state(other), version=7)
     after = _run_alone(engine, prompt, max_new_tokens=6, sampling=SamplingParams(0.0), stop_tokens=[])
-    assert sum(programs.TRACES.values()) == traces and engine.compiled == []
+    assert sum(engine.traces.values()) == traces and engine.compiled == []
     fresh = _run_alone(Engine(other, **SHAPES), prompt, max_new_tokens=6, sampling=SamplingParams(0.0), stop_tokens=[])
     assert after.tokens == fresh.tokens != before.tokens
     assert after.versions == [7] * 6 and before.versions == [0] * 6
@@ -252,9 +252,9 @@ def test_decode_attends_to_a_bucket_of_the_cache_and_keeps_the_full_forward_toke
 def test_attend_lengths_and_default_slots():
     assert [attend_length(n, 192) for n in (1, 64, 65, 128, 129, 500)] == [64, 64, 128, 128, 192, 192]
     tiny, free = load_config("tiny"), 1 << 40
-    assert [default_slots(tiny, n, 64, False, free) for n in (1, 3, 8, 16, 17, 33, 128)] == [1, 4, 8, 16, 32, 48, 128]
+    assert [default_slots(tiny, n, 64, 0, free) for n in (1, 3, 8, 16, 17, 33, 128)] == [1, 4, 8, 16, 32, 48, 128]
     # The bound: half the free memory over one slot's cache (main latents, plus MTP's when speculative).
     per_slot = latent_bytes_per_token(tiny) * 64
-    assert default_slots(tiny, 128, 64, False, 2 * 10 * per_slot) == 10
-    assert default_slots(tiny, 128, 64, True, 2 * 10 * per_slot) < 10
-    assert default_slots(tiny, 128, 64, False, 0) == 1
+    assert default_slots(tiny, 128, 64, 0, 2 * 10 * per_slot) == 10
+    assert default_slots(tiny, 128, 64, 2, 2 * 10 * per_slot) < 10
+    assert default_slots(tiny, 128, 64, 0, 0) == 1

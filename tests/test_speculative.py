@@ -1,22 +1,37 @@
-"""MTP speculative decoding: greedy output equals plain greedy decoding, and sampled output follows the
-exact sampling distribution of the main model (a chi-square test against the distribution computed
-from the model's own forward, on a 16-token vocabulary, with fixed seeds).
+"""MTP speculative decoding: greedy output equals plain greedy decoding (at several draft counts, with
+chained and repeated MTP depths), sampled output follows the exact sampling distribution of the main
+model (a chi-square test against the distribution computed from the model's own forward, on a 16-token
+vocabulary, with fixed seeds), the acceptance counts match models whose drafts are known to be right
+or wrong, a decode call is one program with no host transfer, and the `speculative` setting resolves
+and fails as documented.
 
-Every engine here has one shape, so the module compiles one plain and one speculative engine."""
+The chi-square engines have one shape (one plain and one speculative compile); the draft-count engines
+are small."""
 
+import concurrent.futures
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from scipy import stats
 
-from composer_jax import load_config
-from composer_jax.infer import Engine, SamplingParams, generate
+from composer_jax import config, load_config
+from composer_jax.bench.decode import self_drafting
+from composer_jax.config import ConfigError, apply_overrides, from_dict
+from composer_jax.infer import Engine, GenerationError, SamplingParams, generate, speculation
+from composer_jax.infer.config import GenerateConfig
+from composer_jax.infer.sampling import SlotSampling
+from composer_jax.infer.speculative import verify
+from composer_jax.rl.run_config import load_rl_config
 from tests.random_models import random_model
 from tests.sampling_reference import sampling_probs
 
 VOCAB = 16
 SHAPES = dict(max_slots=64, max_len=32, chunk_sizes=(16,), steps_per_call=4)
+SMALL = dict(max_slots=8, max_len=32, chunk_sizes=(16,), steps_per_call=4)
+PROMPT_LENGTHS = (3, 6, 9, 12, 15)
 SAMPLES = 4096
 SETTINGS = dict(temperature=1.0, top_p=0.9)   # truncation on, so p and q are both processed
 ALPHA = 1e-3
@@ -32,24 +47,124 @@ def engines(model):
     return {mode: Engine(model, speculative=mode == "speculative", **SHAPES) for mode in ("plain", "speculative")}
 
 
-def test_speculative_greedy_equals_plain_greedy(model, engines):
+def _greedy(engine, prompts, new=14):
+    ids = [engine.submit(p, max_new_tokens=new, sampling=SamplingParams(0.0), stop_tokens=[]) for p in prompts]
+    done = engine.run()
+    return [done[i] for i in ids]
+
+
+def _guarded(engine, prompts):
+    with jax.transfer_guard_device_to_host("disallow"):
+        return _greedy(engine, prompts)
+
+
+@pytest.fixture(scope="module")
+def greedy_plain(engines):
+    """Prompts of several lengths (a batch whose slots decode at different lengths) and their plain
+    greedy completions."""
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 6, 9, 12, 15)]
-    out = {}
-    for mode, engine in engines.items():
-        ids = [engine.submit(p, max_new_tokens=14, sampling=SamplingParams(0.0), stop_tokens=[]) for p in prompts]
-        done = engine.run()
-        out[mode] = [done[i] for i in ids]
-    assert [c.tokens for c in out["speculative"]] == [c.tokens for c in out["plain"]]
-    for s, p in zip(out["speculative"], out["plain"]):
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+    return prompts, _greedy(engines["plain"], prompts)
+
+
+def test_speculative_greedy_equals_plain_greedy(model, engines, greedy_plain):
+    prompts, plain = greedy_plain
+    spec = _greedy(engines["speculative"], prompts)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]
+    for s, p in zip(spec, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-5)
     rate = engines["speculative"].acceptance["acceptance_rate"]
     assert 0 < rate < 1, f"both the accept and the reject path must run (acceptance {rate})"
     # generate() reports the statistics.
     result = generate(model, prompts[:2], max_new_tokens=6, temperature=0.0, speculative=True, stop_tokens=[],
                       max_slots=64, max_len=32, chunk_sizes=(16,), steps_per_call=4)
-    assert result.tokens == [c.tokens[:6] for c in out["plain"][:2]] and 0 <= result.acceptance_rate <= 1
-    assert result.mean_accepted_length == pytest.approx(1 + result.acceptance_rate)
+    assert result.tokens == [c.tokens[:6] for c in plain[:2]] and 0 <= result.acceptance_rate <= 1
+    drafts = speculation.DEFAULT_DRAFT_TOKENS
+    assert result.mean_accepted_length == pytest.approx(1 + drafts * result.acceptance_rate)
+
+
+def test_chained_depths_keep_greedy_and_count_acceptance(model, engines, greedy_plain):
+    """2 drafts by two chained MTP depths (2 by one depth run twice, one position on: the test above; 1
+    draft: tests/test_infer_sharded.py) give the plain greedy tokens on a batch of prompts of 5 lengths. The
+    engine compiles one decode program for all its calls and makes no implicit device-to-host transfer
+    while decoding; another engine decoding meanwhile in another thread counts none of its traces. With
+    self-drafting weights (swapped in, nothing recompiles) every draft is accepted; with drafts that are
+    always the least likely token, none is."""
+    prompts, plain = greedy_plain
+    depths, drafts = 2, 2
+    chained = random_model(config.replace(model.cfg, **{"mtp.num_layers": depths}), 2)  # main weights: `model`'s
+    engine = Engine(chained, speculative="on", draft_tokens=drafts, **SMALL)
+    assert engine.cache.mtp.c_kv.shape[0] == depths and engine.cache.draft.shape == (SMALL["max_slots"], drafts)
+    other, traced = engines["plain"], dict(engines["plain"].traces)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        compiling = pool.submit(lambda: _guarded(engine, prompts))  # compiles while `other` decodes
+        assert [c.tokens for c in _greedy(other, prompts[:2])] == [c.tokens for c in plain[:2]]
+        out = compiling.result()
+    assert dict(other.traces) == traced and [c.tokens for c in out] == [c.tokens for c in plain]
+    assert engine.traces == {"prefill": 1, "decode": 1} and engine.stats["decode_steps"] > 1
+    assert engine.stats["drafted"] > engine.stats["accepted"] >= 0
+    for wrong, expected in ((False, "all"), (True, "none")):
+        engine.update_weights(self_drafting(chained, wrong), version=1)
+        engine.stats.clear()
+        _greedy(engine, prompts, new=9)
+        drafted, accepted = engine.stats["drafted"], engine.stats["accepted"]
+        assert drafted > 0 and accepted == (drafted if expected == "all" else 0), (expected, drafted, accepted)
+    assert engine.traces == {"prefill": 1, "decode": 1}
+
+
+def test_verify_accepts_the_longest_verified_prefix():
+    """The rule on its own, against a NumPy count: greedy slots keep their drafts up to the first that is
+    not the argmax, which the argmax replaces (a bonus draw after all K); a sampled slot whose draft
+    distribution equals p keeps every draft, one whose first draft p gives probability 0 keeps none."""
+    slots, drafts, vocab = 6, 3, 8
+    rng = np.random.default_rng(3)
+    log_softmax = lambda x: x - np.log(np.exp(x).sum(-1, keepdims=True))  # noqa: E731
+    point = lambda tokens: np.where(np.arange(vocab) == tokens[..., None], 0.0, -np.inf)  # noqa: E731
+    target = log_softmax(rng.standard_normal((slots, drafts + 1, vocab)))
+    best = target.argmax(-1)                                        # [slots, drafts + 1]
+    keep = np.array([0, 1, 2, 3, 3, 0])                             # greedy slots 0-3: the leading correct drafts
+    d = np.where(np.arange(drafts)[None] < keep[:, None], best[:, :drafts], (best[:, :drafts] + 1) % vocab)
+    q = point(d)                                                    # greedy drafts: point masses
+    target[:4] = point(best[:4])                                    # greedy p: a point mass at the argmax
+    q[4] = target[4, :drafts]                                       # slot 4 samples with q = p
+    q[5] = log_softmax(rng.standard_normal((drafts, vocab)))
+    target[5, 0, d[5, 0]] = -np.inf                                 # slot 5: p(first draft) = 0
+    sampling = SlotSampling(jnp.asarray([0, 0, 0, 0, 1, 1], jnp.float32), jnp.ones(slots), jnp.zeros(slots, jnp.int32),
+                            jnp.arange(slots, dtype=jnp.uint32))
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    verdict = jax.jit(verify)(f32(target), f32(q), jnp.asarray(d, jnp.int32), sampling, jnp.full(slots, 10, jnp.int32))
+    assert verdict.accepted.tolist() == keep.tolist()
+    tokens = np.asarray(verdict.tokens)
+    for s in range(4):
+        assert tokens[s, :keep[s] + 1].tolist() == best[s, :keep[s] + 1].tolist()
+    assert tokens[4, :drafts].tolist() == d[4].tolist() and tokens[5, 0] != d[5, 0]
+
+
+def test_speculative_setting_resolves_and_names_the_key(model):
+    depths, cpu = model.cfg.mtp.num_layers, "cpu"
+    assert speculation.draft_tokens("on", depths, cpu) == speculation.DEFAULT_DRAFT_TOKENS
+    assert speculation.draft_tokens(True, depths, cpu, 3) == 3 and speculation.draft_tokens("off", depths, cpu, 3) == 0
+    # auto: on where the bench measured speculation faster on the platform, never without MTP depths
+    for platform in ("cpu", "gpu", "tpu", "unmeasured"):
+        faster = speculation.MEASURED_FASTER.get(platform, False)
+        assert speculation.draft_tokens("auto", depths, platform) == (speculation.DEFAULT_DRAFT_TOKENS if faster else 0)
+        assert speculation.draft_tokens("auto", 0, platform) == 0
+    with pytest.raises(ValueError, match=r"speculative=on drafts with the MTP depths.*mtp.num_layers=0"):
+        speculation.draft_tokens("on", 0, cpu)
+    # config values: YAML's on / off are booleans; bad values name the key
+    for raw, want in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
+        read = from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, [f"speculative={raw}"]))
+        assert read.speculative == want
+    with pytest.raises(ConfigError, match="speculative.*one of off, on, auto"):
+        from_dict(GenerateConfig, apply_overrides(GenerateConfig, {}, ["speculative=sometimes"]))
+    with pytest.raises(ConfigError, match="draft_tokens"):
+        GenerateConfig(draft_tokens=-1)
+    with pytest.raises(GenerationError, match="speculative must be one of"):
+        Engine(model, speculative="maybe", **SMALL)
+    # the RL key: rollouts (and the runs' evaluation) pass it to the engine agent
+    assert load_rl_config("rl-tiny", ["rollout.speculative=on"]).rollout.speculative == "on"
+    with pytest.raises(ConfigError, match=r"rollout.speculative.*mtp.num_layers=0"):
+        load_rl_config("rl-tiny", ["rollout.speculative=on", "model.mtp.num_layers=0"])
 
 
 def _exact_joint(model, prompt):
@@ -104,7 +219,7 @@ def test_speculative_sampling_follows_the_model_distribution(model, engines):
         assert result.pvalue > ALPHA, f"{mode}: chi-square p-value {result.pvalue:.2e}"
     drafted = engine.stats["drafted"] - before.get("drafted", 0)
     accepted = engine.stats["accepted"] - before.get("accepted", 0)
-    assert drafted == SAMPLES and 0.1 < accepted / drafted < 0.9
+    assert drafted == engine.draft_tokens * SAMPLES and 0.05 < accepted / drafted < 0.9
 
     # The test's power: with these samples it rejects (with probability > 0.999) the distributions of
     # accepting with p(d) (ignoring q) and of resampling from p instead of (p - q)+.

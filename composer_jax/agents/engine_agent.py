@@ -44,9 +44,8 @@ MAX_LEN_CAP = 32768   # the default context when the model allows more (the cach
 @dataclasses.dataclass(frozen=True)
 class EngineAgentConfig(GenerateConfig):
     """`composer-jax generate`'s settings (their checks included) with an agent's defaults and its
-    tool-call format. Three of them do not apply to an agent and must keep their defaults: a turn
-    draws from its attempt's seed (`seed`), ends at the format's end of turn (`stop`), and decodes
-    without speculation (`speculative`)."""
+    tool-call format. Two of them do not apply to an agent and must keep their defaults: a turn
+    draws from its attempt's seed (`seed`) and ends at the format's end of turn (`stop`)."""
 
     max_new_tokens: int = 1024      # per assistant turn
     max_slots: int = 8              # episodes decoding at once (more workers queue)
@@ -58,8 +57,7 @@ class EngineAgentConfig(GenerateConfig):
         if not self.max_slots:
             raise ConfigError("max_slots", "must be > 0, got 0")
         for name, meaning in (("seed", "a turn draws from its attempt's seed (--seed)"),
-                              ("stop", "a turn ends at the format's end of turn"),
-                              ("speculative", "the engine agent decodes without speculation")):
+                              ("stop", "a turn ends at the format's end of turn")):
             if getattr(self, name):
                 raise ConfigError(name, f"does not apply to an agent ({meaning}), got {getattr(self, name)!r}")
         if self.format and self.format not in FORMATS:
@@ -119,7 +117,8 @@ class EngineAgent:
         self.stop_tokens, self.stop_strings = turn_stops(tokenizer, self.fmt, eos_ids)
         try:
             self.engine = Engine(model, max_slots=config.max_slots, max_len=max_len,
-                                 steps_per_call=config.steps_per_call, eos_ids=self.stop_tokens,
+                                 steps_per_call=config.steps_per_call, speculative=config.speculative,
+                                 draft_tokens=config.draft_tokens, eos_ids=self.stop_tokens,
                                  detokenize=lambda ids: tokenizer.decode(ids))
         except GenerationError as e:
             raise AgentError(f"{name}: {e}") from None

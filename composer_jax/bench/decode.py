@@ -2,7 +2,11 @@
 alternating repetitions (greedy and sampled); decode tokens/s is the median over repetitions of tokens
 emitted / time in decode calls (compilation excluded: every engine is warmed up first), the speedup the
 median of the paired per-repetition ratios. Greedy speculative output must equal plain greedy output
-(`same_tokens`). Also prefill throughput and the latent cache's bytes per token."""
+(`same_tokens`). Also prefill throughput and the latent cache's bytes per token.
+
+Random MTP heads draft tokens the model almost never accepts. For speed-ups where drafts are accepted
+at a size no CPU can train in minutes, `self_drafting` makes a model of any size whose MTP depths draft
+exactly the main model's greedy choices, while every weight is still read (`speculative_sizes`)."""
 
 from __future__ import annotations
 
@@ -46,10 +50,11 @@ def decode_run(engine, batch, new_tokens: int, sampling, warmup: bool = False) -
     return figures, [done[i].tokens for i in ids]
 
 
-def compare(model, batch, new_tokens: int, sampling, reps: int, **engine_args) -> dict:
+def compare(model, batch, new_tokens: int, sampling, reps: int, draft_tokens: int = 0, **engine_args) -> dict:
+    """Plain against speculative decoding (`draft_tokens` per step, 0: the engine's default) of `batch`."""
     from composer_jax.infer import Engine
 
-    engines = {mode: Engine(model, speculative=mode == "speculative", **engine_args)
+    engines = {mode: Engine(model, speculative=mode == "speculative", draft_tokens=draft_tokens, **engine_args)
                for mode in ("plain", "speculative")}
     outputs = {}
     for mode, engine in engines.items():  # warm-up: compile every program used
@@ -66,11 +71,12 @@ def compare(model, batch, new_tokens: int, sampling, reps: int, **engine_args) -
     # the machine's load.
     speedup = statistics.median(s["decode_tokens_per_s"] / p["decode_tokens_per_s"]
                                 for p, s in zip(runs["plain"], runs["speculative"]))
-    accepted_length = (drafted + accepted) / drafted
-    return {"plain_tokens_per_s": round(plain, 1), "speculative_tokens_per_s": round(spec, 1),
+    drafts = engines["speculative"].draft_tokens
+    accepted_length = 1 + accepted * drafts / drafted      # tokens per verification pass
+    return {"draft_tokens": drafts, "plain_tokens_per_s": round(plain, 1), "speculative_tokens_per_s": round(spec, 1),
             "speedup": round(speedup, 3), "acceptance_rate": round(accepted / drafted, 4),
             "mean_accepted_length": round(accepted_length, 4),
-            # time of one speculative step (verify 2 positions + the MTP layer + sampling) / a plain step
+            # time of one speculative step (verify drafts + 1 positions, the MTP passes, sampling) / a plain step
             "step_cost_ratio": round(accepted_length / speedup, 3),
             "same_tokens": outputs["plain"] == outputs["speculative"],  # expected for greedy only
             "plain_runs_tokens_per_s": [round(r["decode_tokens_per_s"], 1) for r in runs["plain"]],
@@ -104,10 +110,67 @@ def cache_figures(cfg) -> dict:
 
 
 
-def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, reps: int) -> dict:
+def self_drafting(model, wrong: bool = False):
+    """A copy of `model` (one device) whose layers add nothing to the residual stream (attention's o_proj
+    and every MLP's down projection zero) and whose MTP depths see only their input token (eh_proj =
+    [I; 0], enorm 1, head norm = the final norm): the main model's next token is a function of the
+    current token alone, and each depth drafts that function of the token it sees, which is the main
+    model's greedy choice. `wrong`: eh_proj = [-I; 0], so every draft is the least likely token, never
+    the greedy one. Each weight is still read: a step costs what the model's costs."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    twin = nnx.merge(graphdef, state, copy=True)
+    flat = dict((".".join(map(str, path)), var) for path, var in nnx.to_flat_state(nnx.state(twin)))
+    final_scale = flat["final_norm.scale"].get_value()
+    for name, var in flat.items():
+        value = var.get_value()
+        if name.endswith(("o_proj", "down_proj")):
+            var.set_value(jnp.zeros_like(value))
+        elif name == "mtp.depths.eh_proj":          # [depths, 2 embed, embed]: the token's half is the identity
+            d = value.shape[-1]
+            half = (-1.0 if wrong else 1.0) * jnp.eye(d, dtype=value.dtype)
+            var.set_value(jnp.broadcast_to(jnp.concatenate([half, jnp.zeros_like(half)]), value.shape))
+        elif name == "mtp.depths.enorm.scale":
+            var.set_value(jnp.ones_like(value))
+        elif name == "mtp.depths.head_norm.scale":
+            var.set_value(jnp.broadcast_to(final_scale, value.shape).astype(value.dtype))
+    return twin
+
+
+def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: int, reps: int,
+                      batch: int = 1) -> dict:
+    """Plain against speculative greedy decoding of `batch` requests per model size of
+    decode_peer.MODEL_SIZES (random weights, one MTP depth, `self_drafting`: every draft accepted) and
+    draft count, one decode call per generation."""
+    import numpy as np
+    from flax import nnx
+
+    from composer_jax import CausalLM, load_config
+    from composer_jax.bench.decode_peer import MODEL_SIZES, step_bytes
+    from composer_jax.infer import SamplingParams
+
+    positions = max(64, -(-(prompt_len + new_tokens + 1) // 64) * 64)
+    out = {}
+    for name in sizes:
+        cfg = load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=1", f"rope.max_position_embeddings={positions}"])
+        model = self_drafting(CausalLM(cfg, rngs=nnx.Rngs(0)))
+        rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+        engine_args = dict(max_slots=batch, max_len=prompt_len + new_tokens + 1, steps_per_call=new_tokens,
+                           chunk_sizes=(prompt_len,))
+        out[name] = {"overrides": list(MODEL_SIZES[name]), "batch": batch,
+                     "weight_bytes": int(step_bytes(model, 1, 0)["all_weights"]),
+                     "rows": [compare(model, rows, new_tokens, lambda i: SamplingParams(temperature=0.0), reps, k,
+                                      **engine_args) for k in drafts]}
+    return out
+
+
+def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, sizes: tuple, reps: int) -> dict:
     """Plain vs speculative greedy decoding of one request: the trained model of `run_dir` on standard
     library prompts when it holds a checkpoint, else the tiny config randomly initialised on random
-    prompts (speeds are real; the acceptance rate of an untrained MTP head is not representative)."""
+    prompts (speeds are real; the acceptance rate of an untrained MTP head is not representative); and
+    `speculative_sizes` for the model `sizes` (2 drafts)."""
     import numpy as np
     from flax import nnx
 
@@ -129,4 +192,5 @@ def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, reps:
     max_len = min(model.cfg.rope.max_position_embeddings, prompt_len + new_tokens + 1)
     greedy = compare(model, batch, max_len - prompt_len - 1, lambda i: SamplingParams(temperature=0.0), reps,
                      max_slots=1, max_len=max_len, steps_per_call=max_len - prompt_len - 1, chunk_sizes=(prompt_len,))
-    return {"model": description, "prompt_len": prompt_len, "new_tokens": max_len - prompt_len - 1, "greedy": greedy}
+    return {"model": description, "prompt_len": prompt_len, "new_tokens": max_len - prompt_len - 1, "greedy": greedy,
+            "sizes": speculative_sizes(sizes, (2,), prompt_len, new_tokens, reps)}

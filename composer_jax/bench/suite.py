@@ -8,7 +8,7 @@ CPU one is what the tests run). Each section is measured side by side against it
     attention    blockwise (and cuDNN on a GPU) against the dense reference: fwd+bwd time, step memory
     dispatch     ragged, ep_a2a (and ep_ragged off CPU) against dense: time and error
     rl_teacher   the RL step's teacher share against the naive full-context teacher
-    decode       MTP-speculative against plain greedy decoding
+    decode       MTP-speculative against plain greedy decoding (a trained run; self-drafting models per size)
     decode_peer  our greedy decoding against transformers' `generate` on the same checkpoint, per batch
     muon         our sharded Muon against optax.contrib.muon
 """
@@ -41,7 +41,7 @@ class Sizes:
     kernel_dtype: str
     dispatch: tuple               # tokens, embed, moe_mlp, experts, k
     teacher: tuple                # prefix, turn, (flagged turns per row to compare with one) (tiny model)
-    decode: tuple                 # prompt_len, new_tokens
+    decode: tuple                 # prompt_len, new_tokens, model sizes of self-drafting rows (bench/decode.py)
     muon: tuple                   # experts, moe_layers
     decode_peer: tuple            # model sizes (bench/decode_peer.py), batches, prompt_len, new_tokens
     model_overrides: tuple = ()   # dotted changes to the train-step and teacher sections' models
@@ -51,20 +51,22 @@ def sizes(preset: str, quick: bool) -> Sizes:
     if preset == "cpu" and quick:
         # Two decoder layers (one dense, one MoE): the smoke run's time is tracing and compiling, per layer.
         return Sizes("tiny", 2, 64, 2, (128,), {"tiny": (4, 24, 24)}, (), "float32",
-                     (128, 64, 32, 16, 4), (16, 8, (2,)), (8, 16), (8, 1), (("tiny",), (1, 8), 8, 8),
+                     (128, 64, 32, 16, 4), (16, 8, (2,)), (8, 16, ()), (8, 1), (("tiny",), (1, 8), 8, 8),
                      ("num_layers=2",))
     if preset == "cpu":
         return Sizes("tiny", 8, 128, 5, (256, 1024, 2048), {"tiny": (4, 24, 24), "k25_8heads": (8, 192, 128)},
-                     (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16, (2, 4)), (32, 64), (32, 2),
-                     (("tiny", "weight_bound"), (1, 8, 32, 128), 48, 64))
+                     (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16, (2, 4)),
+                     (32, 64, ("tiny", "weight_bound")), (32, 2), (("tiny", "weight_bound"), (1, 8, 32, 128), 48, 64))
     k25 = {"k25_16heads": (16, 192, 128)}
     if quick:
         return Sizes("proxy-moe", 1, 2048, 3, (1024, 4096), k25, (), "bfloat16",
-                     (8192, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 64), (32, 2), (("tiny",), (1, 8), 8, 8))
+                     (8192, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 64, ("tiny",)), (32, 2),
+                     (("tiny",), (1, 8), 8, 8))
     # Sized for tools/device_check.sh's 8 minutes: the step's memory growth is measured on CPU, and
     # decode_peer keeps to the smoke sizes (transformers runs on the host's CPU).
     return Sizes("proxy-moe", 0, 4096, 5, (1024, 4096, 8192), k25, (), "bfloat16",
-                 (32768, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 128), (32, 2), (("tiny",), (1, 8), 8, 8))
+                 (32768, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 128, ("tiny", "weight_bound")),
+                 (32, 2), (("tiny",), (1, 8), 8, 8))
 
 
 def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
@@ -175,6 +177,11 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
         r = results["decode"]["greedy"]
         out.append(("decode speculative", f"{r['speculative_tokens_per_s']:,.0f} tok/s",
                     f"plain {r['plain_tokens_per_s']:,.0f} tok/s", f"x{r['speedup']:.2f}"))
+        for size, sized in results["decode"]["sizes"].items():
+            for r in sized["rows"]:
+                out.append((f"  {size} self-drafting, {r['draft_tokens']} drafts",
+                            f"{r['speculative_tokens_per_s']:,.0f} tok/s",
+                            f"plain {r['plain_tokens_per_s']:,.0f} tok/s", f"x{r['speedup']:.2f}"))
     for size, r in results.get("decode_peer", {}).get("sizes", {}).items():
         for row in r["rows"]:
             out.append((f"decode {size} batch {row['batch']}", f"{row['ours_tokens_per_s']:,.0f} tok/s "

@@ -17,7 +17,7 @@ import sys
 import composer_jax
 from composer_jax.cli.agents import _add_eval, _add_tasks
 from composer_jax.cli.bench import _add_bench
-from composer_jax.cli.common import EXIT_USAGE, USAGE_ERRORS, human, human_flops
+from composer_jax.cli.common import USAGE_ERRORS, command_error, human, human_flops
 from composer_jax.cli.models import _add_convert, _add_export, _add_generate, _add_info
 from composer_jax.cli.plan import _add_plan
 from composer_jax.cli.training import _add_config, _add_plot, _add_pretrain, _add_rl, _add_rl_engine, _add_sft
@@ -84,8 +84,7 @@ def main(argv=None) -> int:
     try:
         return args.run(args)
     except USAGE_ERRORS as e:
-        print(f"composer-jax {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error(args.command, e)
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which handles it): nothing to save
         from composer_jax.train.lifecycle import exit_status
 

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from composer_jax.cli.common import EXIT_USAGE, command_group, non_negative_int, positive_int, subcommand
+from composer_jax.cli.common import command_error, command_group, non_negative_int, positive_int, subcommand
 
 
 # tasks check
@@ -23,8 +23,7 @@ def _run_tasks_check(args) -> int:
         tasks = [load_task(d) for d in args.task_dirs]
         results = check_tasks(tasks, make_sandbox(args.backend), solution=args.solution, workers=args.workers)
     except (TaskError, SandboxError, SandboxUnavailable) as e:
-        print(f"composer-jax tasks check: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("tasks check", e)
     lines = [json.dumps(r.to_json()) for r in results]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -48,8 +47,7 @@ def _generate(args, name: str, make_config, generate, summary) -> int:
     try:
         report = generate(args.repo_dir, args.out_dir, make_config(), log=lambda line: print(line, file=sys.stderr))
     except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
-        print(f"composer-jax tasks {name}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error(f"tasks {name}", e)
     print(summary(report))
     print(f"report: {os.path.join(args.out_dir, 'report.json')}")
     return 0
@@ -78,8 +76,7 @@ def _run_tasks_list(args) -> int:
     try:
         print(task_table(find_tasks(args.out_dir)))
     except TaskError as e:
-        print(f"composer-jax tasks list: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("tasks list", e)
     return 0
 
 
@@ -99,8 +96,7 @@ def _run_tasks_demos(args) -> int:
         else:
             summary = write_demos(args.tasks_dir, args.out, config, log=lambda line: print(line, file=sys.stderr))
     except (DemoError, TaskError, SandboxError, SandboxUnavailable) as e:
-        print(f"composer-jax tasks demos: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("tasks demos", e)
     print(summary_line(summary))
     print(f"conversations: {summary.path}")
     return 0
@@ -225,8 +221,7 @@ def _run_eval(args) -> int:
             if hasattr(agent, "close"):   # an engine-backed agent's driver thread
                 agent.close()
     except (AgentError, EvalError, TaskError, SandboxError, SandboxUnavailable) as e:
-        print(f"composer-jax eval: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("eval", e)
     print(summary_table(summary))
     print(f"run directory: {out} (attempts.jsonl, summary.json, transcripts/)")
     return 0
@@ -244,8 +239,7 @@ def _run_eval_compare(args) -> int:
     try:
         comparison = compare_runs(args.run_a, args.run_b)
     except EvalError as e:
-        print(f"composer-jax eval compare: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("eval compare", e)
     print(comparison_table(comparison))
     png = args.png or os.path.join(args.run_b, f"compare_{_slug(args.run_a)}.png")
     print(f"plot: {comparison_plot(comparison, png)}")

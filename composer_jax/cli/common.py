@@ -15,6 +15,12 @@ EXIT_USAGE = 2
 USAGE_ERRORS = (ConfigError, CheckpointError, FileNotFoundError, DataError)  # one line on stderr, exit EXIT_USAGE
 
 
+def command_error(command: str, error: Exception, status: int = EXIT_USAGE) -> int:
+    """`composer-jax COMMAND: error: ...` on stderr (one line, no traceback); the exit status."""
+    print(f"composer-jax {command}: error: {error}", file=sys.stderr)
+    return status
+
+
 def human(n: float, units=("", "K", "M", "B", "T")) -> str:
     """3 significant digits with a unit suffix: 1026408232448 -> '1.03T', 32861500928 -> '32.9B'."""
     if n == 0:

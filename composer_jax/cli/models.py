@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from composer_jax.cli.common import (EXIT_USAGE, human, human_flops, load_model_or_run_config, log_to_stderr,
+from composer_jax.cli.common import (command_error, human, human_flops, load_model_or_run_config, log_to_stderr,
                                      positive_int)
 from composer_jax.config import ConfigError
 from composer_jax.cpu_devices import use_cpu_devices
@@ -227,8 +227,7 @@ def _run_generate(args) -> int:
     try:
         opened, generation = _open_generation(args)
     except (ValueError, OSError) as e:  # GenerationError, ConfigError, CheckpointError, DataError are ValueErrors
-        print(f"composer-jax generate: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return command_error("generate", e)
     print(f"{opened.description}: {len(generation.sources)} prompt(s)", file=sys.stderr)
     if args.prompt is not None and args.out is None and opened.tokenizer is not None:
         for piece in generation.text_pieces():

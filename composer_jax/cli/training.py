@@ -6,7 +6,7 @@ import os
 import sys
 import traceback
 
-from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_group, load_model_or_run_config, positive_int,
+from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_error, command_group, load_model_or_run_config, positive_int,
                                      quiet_logging, subcommand)
 from composer_jax.config import ConfigError
 from composer_jax.config_reference import KINDS as KEY_KINDS
@@ -171,8 +171,7 @@ def _run_rl(args) -> int:
     try:
         s, reports = _in_group(args, "rl", lambda: train_rl(cfg), one_line=(ExchangeError,))
     except ExchangeError as e:   # the engine process failed or is silent
-        print(f"composer-jax rl: error: {e}", file=sys.stderr)
-        return 1
+        return command_error("rl", e, 1)
     if "interrupted" in s:
         if reports:
             print(interrupted_line("rl", s["interrupted"], s["end_step"], s["checkpoint"], args.argv), file=sys.stderr)
@@ -216,8 +215,7 @@ def _run_rl_engine(args) -> int:
     try:
         s = serve(cfg, engine=args.engine)
     except ExchangeError as e:   # the learner is silent, or the config is not a directory-transport run
-        print(f"composer-jax rl-engine: error: {e}", file=sys.stderr)
-        return 1
+        return command_error("rl-engine", e, 1)
     print(f"rl-engine: {s['batches']} batches, {s['sessions']} learner session(s), weight versions loaded "
           f"{'; '.join(', '.join(map(str, v)) for v in s['versions'] if v) or 'none'}")
     return 0

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from composer_jax.infer import programs
-from composer_jax.infer.cache import cache_shapes
+from composer_jax.infer import programs, speculation
+from composer_jax.infer.cache import cache_shapes, drafting_depths
 from composer_jax.infer.programs import Slots
 from composer_jax.infer.sampling import SamplingParams, SlotSampling
 from composer_jax.model.decoder import unstack_layers
@@ -113,9 +113,9 @@ class Engine:
     default stop tokens; `detokenize`: ids -> text, needed for stop strings."""
 
     def __init__(self, model, *, max_slots: int = 8, max_len: int | None = None,
-                 chunk_sizes: Sequence[int] = DEFAULT_CHUNKS, steps_per_call: int = 8, speculative: bool = False,
-                 eos_ids: Sequence[int] = (), detokenize: Callable[[list[int]], str] | None = None,
-                 max_stop_ids: int = 8):
+                 chunk_sizes: Sequence[int] = DEFAULT_CHUNKS, steps_per_call: int = 8, speculative: bool | str = False,
+                 draft_tokens: int = 0, eos_ids: Sequence[int] = (),
+                 detokenize: Callable[[list[int]], str] | None = None, max_stop_ids: int = 8):
         cfg = model.cfg
         limit = cfg.rope.max_position_embeddings
         max_len = limit if max_len is None else max_len
@@ -123,20 +123,22 @@ class Engine:
             raise GenerationError("max_slots, steps_per_call and max_stop_ids must be > 0")
         if not 1 < max_len <= limit:
             raise GenerationError(f"max_len={max_len} must be in [2, rope.max_position_embeddings={limit}]")
-        if speculative and model.mtp is None:
-            raise GenerationError("speculative decoding drafts with the MTP depths, and this model has none "
-                                  "(mtp.num_layers=0)")
+        try:   # drafts per decode step (0: plain decoding)
+            self.draft_tokens = speculation.draft_tokens(speculative, cfg.mtp.num_layers, jax.default_backend(),
+                                                         draft_tokens)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
         if not chunk_sizes or min(chunk_sizes) <= 0:
             raise GenerationError(f"chunk_sizes must be positive, got {tuple(chunk_sizes)}")
         self.cfg, self.max_slots, self.max_len, self.steps = cfg, max_slots, max_len, steps_per_call
         self.chunks = sorted({min(c, max_len) for c in chunk_sizes})
-        self.speculative, self.detokenize, self.max_stop_ids = speculative, detokenize, max_stop_ids
+        self.speculative, self.detokenize, self.max_stop_ids = self.draft_tokens > 0, detokenize, max_stop_ids
         self.eos_ids = self._check_ids(tuple(eos_ids), "eos_ids")
         self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
         self.graphdef, self.state = self._place(model)
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._program_state = self._for_programs(self.state)
-        shapes = cache_shapes(cfg, max_slots, max_len, speculative)
+        shapes = cache_shapes(cfg, max_slots, max_len, self.draft_tokens)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
         with self._traced_on():
             self.cache = _zeros(shapes) if out is None else jax.jit(lambda: _zeros.__wrapped__(shapes),
@@ -146,6 +148,7 @@ class Engine:
         self.kept: dict[int, int] = {}          # request id -> its kept slot
         self.version = 0
         self.compiled: list[str] = []
+        self.traces: collections.Counter = collections.Counter()   # this engine's traces (compiles) per program
         self.stats = collections.Counter()
         self._next_id = 0
 
@@ -277,14 +280,15 @@ class Engine:
     # running
 
     def _call(self, name: str, program, *args):
-        before, start = sum(programs.TRACES.values()), time.perf_counter()
-        with self._traced_on():
+        before, start = sum(self.traces.values()), time.perf_counter()
+        with self._traced_on(), programs.counting_traces(self.traces):
             out = program(*args)
-        if sum(programs.TRACES.values()) > before:
+        if sum(self.traces.values()) > before:
             self.stats["compile_s"] += time.perf_counter() - start  # tracing and compiling run in the call
             shape = f"chunk={args[4].shape[1]} attend={args[9]}" if name == "prefill" else \
                 f"steps={self.steps} attend={args[5]}"
-            what = f"{name} {shape} slots={self.max_slots} max_len={self.max_len}" + " speculative" * self.speculative
+            what = (f"{name} {shape} slots={self.max_slots} max_len={self.max_len}"
+                    + f" speculative drafts={self.draft_tokens}" * self.speculative)
             self.compiled.append(what)
             log.info("compiled %s in %.1f s (%d programs)", what, time.perf_counter() - start, len(self.compiled))
         return out
@@ -352,14 +356,16 @@ class Engine:
         width = max((c for c in self.chunks if c <= need), default=self.chunks[0])
         n = self.max_slots
         tokens, n_valid = np.zeros((n, width), np.int32), np.zeros(n, np.int32)
-        lookahead, finishing = np.zeros(n, np.int32), np.zeros(n, bool)
+        depths = drafting_depths(self.cfg, self.draft_tokens) or 1
+        lookahead, finishing = np.zeros((n, depths), np.int32), np.zeros(n, bool)
         lengths = np.array([s.cached if s is not None else 0 for s in self.slots], np.int32)
         for i in reading:
             todo = self.slots[i].todo
             take = todo[:width]
             tokens[i, :len(take)], n_valid[i] = take, len(take)
             finishing[i] = len(todo) <= width
-            lookahead[i] = todo[width] if not finishing[i] else 0
+            following = todo[width:width + depths] if not finishing[i] else []
+            lookahead[i, :len(following)] = following
         start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
         attend = attend_length(max(self.slots[i].cached for i in reading), self.max_len)
@@ -390,8 +396,10 @@ class Engine:
         slots = Slots(np.array(live(lambda s: s.cached, 0), np.int32), np.array(live(lambda s: s.history[-1], 0), np.int32),
                       np.array(live(lambda s: True, False)), np.array(live(lambda s: s.budget, 0), np.int32),
                       stop_ids, self._sampling())
-        per_step = 2 if self.speculative else 1
-        attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps, self.max_len)
+        # A call's slots grow by up to drafts + 1 positions per step; the last drafts reach drafts further.
+        per_step = self.draft_tokens + 1
+        attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps + self.draft_tokens,
+                               self.max_len)
         start, compiling = time.perf_counter(), self.stats["compile_s"]
         self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self._program_state, self.cache,
                                                     self._put(slots), self.steps, attend)
@@ -433,8 +441,11 @@ class Engine:
 
     @property
     def acceptance(self) -> dict[str, float]:
-        """Speculative statistics so far: acceptance rate (accepted / drafted) and mean accepted length
-        (tokens emitted per decode step and slot)."""
+        """Speculative statistics so far (what an RL step's metrics record): acceptance rate (drafts
+        accepted / drafted), mean accepted length (tokens per verification pass and slot: 1 + the
+        accepted drafts; the speed-up in decode steps over plain decoding, before a step's extra cost)
+        and the drafts per step."""
         s = self.stats
+        steps = s["drafted"] / max(self.draft_tokens, 1)
         return {"acceptance_rate": s["accepted"] / max(s["drafted"], 1),
-                "mean_accepted_length": (s["drafted"] + s["accepted"]) / max(s["drafted"], 1)}
+                "mean_accepted_length": 1 + s["accepted"] / max(steps, 1), "draft_tokens": self.draft_tokens}

@@ -1,22 +1,36 @@
 """The engine's jitted programs over a fixed set of slots: a prefill chunk, and a run of decode steps
-(plain, or MTP-speculative).
+(plain, or MTP-speculative: draft, verify, accept and the caches' update in one program, with no host
+round-trip between steps).
 
 Both take the model's parameters as an argument next to its static graphdef, so weights of the same
 shapes, dtypes and placement (a new policy version) never retrace, and both donate the cache, which
 they update in place. Shapes depend only on (slots, cache length, chunk width, decode steps, attended
 cache length), so a stream of requests of any lengths runs on a few decode programs and one prefill
 program per chunk width. The MoE layers dispatch with the backend fastest for each program's token
-count on the platform (`dispatch.inference_backend`), whatever the model trains with.
+count on the platform (`dispatch.inference_backend`, chosen per forward pass), whatever the model
+trains with.
 
 The cache holds, per layer, slot and position, the MLA latent (normalised c_kv and the rotated shared
 rope key); a slot's first `lengths[slot]` positions are valid. Rolling back is lowering a length:
 positions past it are masked out and overwritten later. Prefill chunks attend with the training form
 of attention (keys and values decompressed from the cache), decode steps with the absorbed form.
+
+Speculative drafts chain the MTP depths as they were trained: depth k at the pending token's position
+sees depth k-1's hidden state there and the token k ahead (the pending one for depth 1, then the
+drafts), and drafts the token k+1 ahead. Drafts beyond the model's depths run its last depth again one
+position on, its own hidden state standing in for the main model's there. After each verification
+every drafting depth runs over the emitted positions, storing its latents: where a depth's input token
+lies past the emitted ones it is the draft (depth k >= 2's latents at the k-1 positions before the
+pending token keep their drafted input, which only the drafts' quality depends on).
+
+Traces are counted per engine: each `Engine` counts the traces its own calls run (`counting_traces`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -26,13 +40,30 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.infer.cache import Cache, Latents
-from composer_jax.infer.sampling import DRAFT, SAMPLE, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
+from composer_jax.infer.sampling import DRAFT, Sampled, SlotSampling, draw, pick, processed_logprobs, sample
 from composer_jax.infer.speculative import verify
 from composer_jax.model.attention import LatentCache
 from composer_jax.model.dispatch import inference_backend
 from composer_jax.model.moe import MoE
 
-TRACES: collections.Counter = collections.Counter()  # traces (= compilations) per program name
+_TRACES: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar("traces", default=None)
+
+
+@contextlib.contextmanager
+def counting_traces(counter: collections.Counter):
+    """Count the programs traced (= compiled) inside the block into `counter`, per program name. Tracing
+    runs in the calling thread, so engines in other threads count theirs apart."""
+    token = _TRACES.set(counter)
+    try:
+        yield counter
+    finally:
+        _TRACES.reset(token)
+
+
+def _traced(name: str) -> None:
+    counter = _TRACES.get()
+    if counter is not None:
+        counter[name] += 1
 
 
 class Slots(NamedTuple):
@@ -47,14 +78,14 @@ class Slots(NamedTuple):
 
 
 class Emitted(NamedTuple):
-    """A decode call's output: per step and slot up to `per_step` tokens (1 plain, 2 speculative)."""
+    """A decode call's output: per step and slot up to `per_step` tokens (1 plain, drafts + 1 speculative)."""
 
     tokens: jax.Array      # int32[steps, slots, per_step]
     logprob: jax.Array     # f32[steps, slots, per_step]: raw (model) log-probs
     behaviour: jax.Array   # f32[steps, slots, per_step]: under the distribution drawn from
     count: jax.Array       # int32[steps, slots]: how many of the per_step entries are real
     drafted: jax.Array     # int32[slots]: drafts verified (speculative)
-    accepted: jax.Array    # int32[slots]: drafts accepted
+    accepted: jax.Array    # int32[slots]: drafts accepted (the verified prefixes' lengths)
 
 
 def _placed_like(x: jax.Array, batch_dim: int, like: jax.Array) -> jax.Array:
@@ -71,16 +102,20 @@ def _visible(lengths: jax.Array, max_len: int) -> jax.Array:
     return jnp.arange(max_len)[None] < lengths[:, None]
 
 
-def _write(latents: Latents, c_kv: jax.Array, k_rope: jax.Array, lengths: jax.Array, n_valid: jax.Array) -> Latents:
-    """Store new latents [layers, slots, width, ...] at positions lengths[s] + i for i < n_valid[s]."""
-    width, max_len = c_kv.shape[2], latents.c_kv.shape[2]
+def _write(latents: Latents, c_kv: jax.Array, k_rope: jax.Array, lengths: jax.Array, n_valid: jax.Array,
+           depth: int | None = None) -> Latents:
+    """Store new latents [layers, slots, width, ...] (with `depth`: [slots, width, ...] into that layer
+    alone) at positions lengths[s] + i for i < n_valid[s]."""
+    width, max_len = c_kv.shape[-2], latents.c_kv.shape[2]
     offsets = jnp.arange(width)[None]
     cols = jnp.where(offsets < n_valid[:, None], lengths[:, None] + offsets, max_len)  # max_len: dropped
     rows = _placed_like(jnp.broadcast_to(jnp.arange(lengths.shape[0])[:, None], cols.shape), 0, cols)
+    layers = slice(None) if depth is None else depth
+
     def put(old, new):
         sharding = jax.typeof(old).sharding
         out = {} if sharding.mesh.empty else {"out_sharding": sharding.spec}  # stays where it is
-        return old.at[:, rows, cols].set(new.astype(old.dtype), mode="drop", **out)
+        return old.at[layers, rows, cols].set(new.astype(old.dtype), mode="drop", **out)
 
     return Latents(put(latents.c_kv, c_kv), put(latents.k_rope, k_rope))
 
@@ -99,18 +134,21 @@ def _main(model, latents: Latents, lengths, tokens, n_valid, absorbed: bool, att
     """The main model over tokens int32[slots, width] at positions lengths + i, attending to the cache's
     first `attend` positions (None: all). Returns (hidden [slots, width, embed], latents with the first
     n_valid[s] new positions stored)."""
-    out = model.forward(tokens, positions=_positions(lengths, tokens.shape[1]),
-                        prefix=_prefix(latents, lengths, attend),
-                        with_mtp=False, return_latents=True, absorbed=absorbed)
+    out = _dispatching(model, tokens.size).forward(tokens, positions=_positions(lengths, tokens.shape[1]),
+                                                   prefix=_prefix(latents, lengths, attend),
+                                                   with_mtp=False, return_latents=True, absorbed=absorbed)
     return out.hidden, _write(latents, out.latents.c_kv, out.latents.k_rope, lengths, n_valid)
 
 
-def _mtp(model, latents: Latents, lengths, hidden, following, n_valid, absorbed: bool, attend: int | None = None):
-    """MTP depth 1 at the same positions: main hidden [slots, width, embed] and the tokens that follow
-    them int32[slots, width]. Returns (head-normed hidden, latents with n_valid[s] positions stored)."""
-    normed, (c_kv, k_rope) = model.mtp_step(hidden, following, _positions(lengths, hidden.shape[1]),
-                                            _prefix(latents, lengths, attend), absorbed=absorbed)
-    return normed, _write(latents, c_kv[None], k_rope[None], lengths, n_valid)
+def _mtp(model, latents: Latents, depth: int, lengths, hidden, following, n_valid, absorbed: bool,
+         attend: int | None = None):
+    """MTP depth `depth` (0-based) at positions lengths + i: the previous depth's hidden [slots, width,
+    embed] there and the tokens that depth sees int32[slots, width]. Returns (hidden, head-normed hidden,
+    latents with n_valid[s] positions stored in that depth's layer)."""
+    out, normed, (c_kv, k_rope) = _dispatching(model, following.size).mtp_step(
+        hidden, following, _positions(lengths, hidden.shape[1]), _prefix(latents, lengths, attend), depth=depth,
+        absorbed=absorbed)
+    return out, normed, _write(latents, c_kv, k_rope, lengths, n_valid, depth)
 
 
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -125,14 +163,48 @@ def _draft(model, normed: jax.Array, sampling: SlotSampling, index: jax.Array):
     return draw(q, sampling, index, DRAFT), q
 
 
-def _use_inference_dispatch(model, tokens: int) -> None:
-    """Switch the (merged, traced) model's MoE layers to the dispatch backend fastest for a forward of
-    `tokens` tokens (dispatch.inference_backend). Layers placed on a mesh keep theirs: their experts
-    are laid out for it."""
+def _chain(model, mtp: Latents, lengths, hidden, stream, n_valid, drafting, sampling, drafts: int, absorbed: bool,
+           attend: int | None):
+    """The drafting MTP depths over a window of positions lengths + i (i < width), storing the first
+    n_valid[s] positions' latents, then `drafts` drafts of the tokens after the window's last valid
+    position (the slot's pending token's position - 1).
+
+    hidden: [slots, width, embed] the main model's hidden state at the window's positions; stream:
+    int32[slots, width + depths - 1], stream[s, i] = the token at sequence index lengths + i + 1 (depth
+    k at position i sees stream[s, i + k - 1]), known up to i = n_valid - 1 (the pending token) and,
+    where not `drafting[s]`, beyond (a prompt's next tokens); where drafting, the drafts fill it on.
+    Returns (mtp latents, drafts int32[slots, drafts], their distributions f32[slots, drafts, vocab])."""
+    depths, width = mtp.c_kv.shape[0], hidden.shape[1]
+    last, pending = n_valid - 1, lengths + n_valid      # pending: the sequence index of the slot's last token
+    columns = jnp.arange(stream.shape[1])[None]
+    tokens, dists = [], []
+    for k in range(depths):
+        hidden, normed, mtp = _mtp(model, mtp, k, lengths, hidden, stream[:, k:k + width], n_valid, absorbed, attend)
+        token, q = _draft(model, _at(normed, last), sampling, pending + k + 1)
+        tokens.append(token)
+        dists.append(q)
+        stream = jnp.where(drafting[:, None] & (columns == (last + k + 1)[:, None]), token[:, None], stream)
+    hidden = _at(hidden, last)[:, None]
+    for j in range(depths, drafts):     # the last depth again, one position on
+        hidden, normed, mtp = _mtp(model, mtp, depths - 1, pending + j - depths, hidden, tokens[-1][:, None],
+                                   drafting.astype(jnp.int32), absorbed, attend)
+        token, q = _draft(model, normed[:, 0], sampling, pending + j + 1)
+        tokens.append(token)
+        dists.append(q)
+    return mtp, jnp.stack(tokens, axis=1), jnp.stack(dists, axis=1)
+
+
+def _dispatching(model, tokens: int):
+    """The (traced) model with its MoE layers switched to the dispatch backend fastest for a forward of
+    `tokens` tokens (dispatch.inference_backend): a view merged anew, so that each forward a program
+    traces (a speculative step's passes differ in width) gets its own, also inside a loop. Layers
+    placed on a mesh keep theirs: their experts are laid out for it."""
+    model = nnx.merge(*nnx.split(model))
     k = model.cfg.moe.num_experts_per_tok
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MoE) and module.mesh is None:
             module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
+    return model
 
 
 def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead, finishing, sampling, attend: int):
@@ -140,25 +212,23 @@ def _prefill(graphdef, state, cache: Cache, lengths, tokens, n_valid, lookahead,
     (0: the slot sits this chunk out), attending to the cache's first `attend` positions (the host's
     bound on the reading slots' lengths; 0 when they all start). Where `finishing[s]` the chunk ends
     the slot's prompt and its first new token is drawn (sequence index lengths + n_valid); in
-    speculative mode MTP depth 1 also runs over the chunk (`lookahead[s]`: the prompt token after an
-    unfinished chunk) and drafts the token after.
+    speculative mode the drafting MTP depths also run over the chunk (`lookahead[s]` int32[depths]:
+    the prompt tokens after an unfinished chunk) and draft the tokens after the first new one.
     Returns (cache, Sampled per slot: meaningful where finishing)."""
-    TRACES["prefill"] += 1
+    _traced("prefill")
     model = nnx.merge(graphdef, state)
-    _use_inference_dispatch(model, tokens.size)
     hidden, main = _main(model, cache.main, lengths, tokens, n_valid, absorbed=False, attend=attend)
     last, index = n_valid - 1, lengths + n_valid
     first = sample(model.logits(_at(hidden, last)), sampling, index)
     cache = cache._replace(main=main)
     if cache.mtp is not None:
-        width = tokens.shape[1]
-        following = jnp.concatenate([tokens[:, 1:], lookahead[:, None]], axis=1)
-        ends = (jnp.arange(width)[None] == last[:, None]) & finishing[:, None]
-        following = jnp.where(ends, first.token[:, None], following)
-        normed, mtp = _mtp(model, cache.mtp, lengths, hidden, following, n_valid, absorbed=False, attend=attend)
-        draft, q = _draft(model, _at(normed, last), sampling, index + 1)
-        cache = Cache(main, mtp, jnp.where(finishing, draft, cache.draft),
-                      jnp.where(finishing[:, None], q, cache.draft_logprobs))
+        stream = jnp.concatenate([tokens[:, 1:], lookahead], axis=1)
+        ends = (jnp.arange(stream.shape[1])[None] == last[:, None]) & finishing[:, None]
+        stream = jnp.where(ends, first.token[:, None], stream)
+        mtp, drafts, q = _chain(model, cache.mtp, lengths, hidden, stream, n_valid, finishing, sampling,
+                                cache.draft.shape[1], absorbed=False, attend=attend)
+        cache = Cache(main, mtp, jnp.where(finishing[:, None], drafts, cache.draft),
+                      jnp.where(finishing[:, None, None], q, cache.draft_logprobs))
     return cache, first
 
 
@@ -181,38 +251,41 @@ def _plain_step(model, cache: Cache, slots: Slots, attend: int):
 
 
 def _speculative_step(model, cache: Cache, slots: Slots, attend: int):
-    """Verify each slot's draft with one main-model pass over [pending, draft], emit 1 or 2 tokens,
-    extend MTP depth 1's cache over the emitted positions and draft the next token."""
+    """Verify each slot's drafts with one main-model pass over [pending, drafts], emit the verified prefix
+    and one more token (a residual or bonus draw), run the drafting MTP depths over the emitted positions
+    and draft the next ones."""
     lengths, active, sampling = slots.lengths, slots.active, slots.sampling
-    tokens = jnp.stack([slots.pending, cache.draft], axis=1)
-    hidden, main = _main(model, cache.main, lengths, tokens, 2 * active.astype(jnp.int32), absorbed=True,
+    width = cache.draft.shape[1] + 1
+    tokens = jnp.concatenate([slots.pending[:, None], cache.draft], axis=1)
+    hidden, main = _main(model, cache.main, lengths, tokens, width * active.astype(jnp.int32), absorbed=True,
                          attend=attend)
-    logits = model.logits(hidden)                                                   # [slots, 2, vocab]
+    logits = model.logits(hidden)                                                   # [slots, width, vocab]
     raw = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.stack([processed_logprobs(logits[:, j], sampling) for j in range(2)], axis=1)
-    verdict = verify(target[:, 0], cache.draft_logprobs, cache.draft, sampling, lengths + 1)
-    bonus = draw(target[:, 1], sampling, lengths + 2, SAMPLE)
-    first_stops = (verdict.token[:, None] == slots.stop_ids).any(axis=-1)
-    two = verdict.accepted & ~first_stops & (slots.budget > 1)
-    count = jnp.where(two, 2, 1) * active.astype(jnp.int32)
-    emitted = jnp.stack([verdict.token, bonus], axis=1)
-    new = _advance(slots, jnp.where(two, bonus, verdict.token), count)
-    normed, mtp = _mtp(model, cache.mtp, lengths, hidden, emitted, count, absorbed=True, attend=attend)
-    draft, q = _draft(model, _at(normed, count - 1), sampling, new.lengths + 1)
-    cache = Cache(main, mtp, jnp.where(active, draft, cache.draft), jnp.where(active[:, None], q, cache.draft_logprobs))
+    target = jnp.stack([processed_logprobs(logits[:, j], sampling) for j in range(width)], axis=1)
+    verdict = verify(target, cache.draft_logprobs, cache.draft, sampling, lengths + 1)
+    emitted = verdict.tokens
+    # The step's tokens: the verified prefix and the draw after it, cut after a stop token and at the budget.
+    stops = (emitted[:, :, None] == slots.stop_ids[:, None]).any(axis=-1)
+    first_stop = jnp.argmax(stops, axis=1) + jnp.where(stops.any(axis=1), 1, width)
+    count = jnp.minimum(jnp.minimum(verdict.accepted + 1, first_stop), slots.budget) * active.astype(jnp.int32)
+    new = _advance(slots, _at(emitted, count - 1), count)
+    stream = jnp.concatenate([emitted, jnp.zeros_like(emitted[:, :cache.mtp.c_kv.shape[0] - 1])], axis=1)
+    mtp, drafts, q = _chain(model, cache.mtp, lengths, hidden, stream, count, active, sampling, width - 1,
+                            absorbed=True, attend=attend)
+    cache = Cache(main, mtp, jnp.where(active[:, None], drafts, cache.draft),
+                  jnp.where(active[:, None, None], q, cache.draft_logprobs))
     out = Sampled(emitted, pick(raw, emitted), pick(target, emitted))
-    return cache, new, out, count, active.astype(jnp.int32), (verdict.accepted & active).astype(jnp.int32)
+    return cache, new, out, count, (width - 1) * active.astype(jnp.int32), verdict.accepted * active.astype(jnp.int32)
 
 
 def _decode(graphdef, state, cache: Cache, slots: Slots, steps: int, attend: int):
     """Up to `steps` decode steps for every active slot (stops early once none is active), attending to
     the cache's first `attend` positions (the host's bound on every slot's length during the call).
     Returns (cache, slots, Emitted)."""
-    TRACES["decode"] += 1
+    _traced("decode")
     model = nnx.merge(graphdef, state)
-    per_step = 1 if cache.mtp is None else 2
+    per_step = 1 if cache.mtp is None else cache.draft.shape[1] + 1
     n = slots.lengths.shape[0]
-    _use_inference_dispatch(model, n * per_step)
     step = functools.partial(_plain_step if cache.mtp is None else _speculative_step, attend=attend)
     zeros = lambda dtype, *shape: jnp.zeros(shape, dtype)  # noqa: E731
     emitted = Emitted(zeros(jnp.int32, steps, n, per_step), zeros(jnp.float32, steps, n, per_step),

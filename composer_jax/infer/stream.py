@@ -52,9 +52,10 @@ class Generation:
             raise GenerationError("stop strings need a tokenizer, and the model has none")
         if devices is not None:
             record_layout(model, engine_grids(model.cfg, devices))
-        self.tokenizer, self.speculative = tokenizer, gen.speculative
+        self.tokenizer = tokenizer
         self.engine = sized_engine(model, [list(p) for _, p in prompts], max_new_tokens=gen.max_new_tokens,
-                                   speculative=gen.speculative, max_slots=gen.max_slots, max_len=gen.max_len,
+                                   speculative=gen.speculative, draft_tokens=gen.draft_tokens,
+                                   max_slots=gen.max_slots, max_len=gen.max_len,
                                    steps_per_call=gen.steps_per_call, eos_ids=eos_ids,
                                    detokenize=None if tokenizer is None else tokenizer.decode)
         self.sources: dict[int, str] = {}       # request id -> its prompt's source, in prompt order
@@ -113,4 +114,4 @@ class Generation:
         tokens, compiling = sum(len(c.tokens) for c in self.done.values()), self.engine.stats["compile_s"]
         out = {"tokens": tokens, "wall_s": self.wall_s, "compile_s": compiling,
                "tokens_per_s": tokens / max(self.wall_s - compiling, 1e-9), "programs": len(self.engine.compiled)}
-        return {**out, **self.engine.acceptance} if self.speculative else out
+        return {**out, **self.engine.acceptance} if self.engine.speculative else out

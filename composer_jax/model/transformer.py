@@ -202,8 +202,9 @@ class CausalLM(nnx.Module):
         (t[i+depth+1] at position i); positions: int[batch, seq]; prefix: this depth's latents of earlier
         positions (a LatentCache with a leading depths axis) or None. The positions attend causally to
         each other and to the valid prefix.
-        Returns (head-normed hidden [batch, seq, embed]: `logits` gives the distribution of
-        t[i+depth+2], the depth's latent (c_kv [batch, seq, kv_lora], k_rope [batch, seq, rope])).
+        Returns (hidden [batch, seq, embed]: the next depth's input, head-normed hidden: `logits` gives
+        the distribution of t[i+depth+2], the depth's latent (c_kv [batch, seq, kv_lora], k_rope
+        [batch, seq, rope])).
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP depths (mtp.num_layers=0)")
@@ -215,9 +216,9 @@ class CausalLM(nnx.Module):
             mask = mask.with_prefix(prefix.valid)
             layer_prefix = (prefix.c_kv[depth], prefix.k_rope[depth])
         cos, sin = rope_lib.rope_angles(self.cfg.rope, self.cfg.mla.qk_rope_head_dim, positions)
-        _, (normed, stats) = self.mtp.depth(depth)(hidden, cos, sin, mask, self.embed(tokens), layer_prefix,
-                                                    return_latents=True, absorbed=absorbed)
-        return normed, stats["latent"]
+        out, (normed, stats) = self.mtp.depth(depth)(hidden, cos, sin, mask, self.embed(tokens), layer_prefix,
+                                                      return_latents=True, absorbed=absorbed)
+        return out, normed, stats["latent"]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""

@@ -129,7 +129,8 @@ def engine_agent(cfg: RLRunConfig, tokenizer, model) -> EngineAgent:
     config = EngineAgentConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                max_new_tokens=r.max_new_tokens, max_len=engine_context(cfg, tokenizer,
                                                                                       get_format(cfg.env.format)),
-                               max_slots=r.max_slots, steps_per_call=r.steps_per_call, format=cfg.env.format)
+                               max_slots=r.max_slots, steps_per_call=r.steps_per_call, format=cfg.env.format,
+                               speculative=r.speculative)
     return EngineAgent(model, tokenizer, "policy", config)
 
 

@@ -17,6 +17,7 @@ from composer_jax.envs.monitor import MonitorConfig
 from composer_jax.envs.rewards import RewardConfig
 from composer_jax.envs.tools import TOOL_NAMES
 from composer_jax.envs.toy import FAMILIES
+from composer_jax.infer.config import Speculative
 from composer_jax.model_dirs import Chat, ModelSource, run_chat, run_chat_setup, source_for
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.sampler import SamplerConfig
@@ -37,6 +38,9 @@ class RolloutConfig:
     max_len: int = 128              # tokens per trajectory (the engine's context and the step's row length)
     max_slots: int = 16             # episodes decoding at once
     steps_per_call: int = 8         # decode steps per engine call
+    # MTP speculative decoding: off, on (needs model.mtp.num_layers > 0), auto (on where the model has MTP depths
+    # and the decode bench measured it faster on the platform: infer/speculation.py)
+    speculative: Speculative = "auto"
     timeout_s: float = 120.0        # an environment call (reset, step) running longer loses its rollout (it hung)
     on_lost: Literal["refill", "drop"] = "refill"   # a lost rollout: run one more for its group, or drop the group
     max_refills: int = 2            # refills per group before it is dropped
@@ -81,6 +85,7 @@ class RolloutConfig:
                                          "weight_transfer=file (a device transfer serves one engine)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
+        object.__setattr__(self, "speculative", Speculative.from_config(self.speculative, "speculative"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +201,9 @@ class RLRunConfig:
             raise ConfigError("rollout.batch_size", f"{self.rollout.batch_size} trajectories per step are not a whole "
                                                     f"number of groups of rl.group_size={self.rl.group_size}")
         check_fits_model("rollout.max_len", self.rollout.max_len, self.model)
+        if self.rollout.speculative == "on" and not self.model.mtp.num_layers:
+            raise ConfigError("rollout.speculative", "on drafts with the MTP depths, and the model has none "
+                                                     "(model.mtp.num_layers=0): use auto or off")
         if self.teacher_slots:   # a teacher slot is a sequence of its own
             check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
