@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model=tiny", "model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense"]
 TINY = ["init_from=", *MODEL, "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8",
         "rollout.max_new_tokens=6", "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128",
-        "progress=false", "checkpoint.async_save=false", "rollout.devices=0"]  # the engine on the learner's 8 test devices
+        "progress=false", "checkpoint.async_save=false", "rollout.devices=0"]   # the engine on the 8 test devices
 
 
 # pretrain-tiny's run of the same model (tests.random_models.save_random_run): a source for init_from.

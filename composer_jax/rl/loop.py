@@ -18,8 +18,8 @@ writes each version's parameters to the exchange directory and reads the batches
 Everything a run writes lives in RUN_DIR: `config.yaml`, `metrics.jsonl` + `tb/` (one line per step:
 policy version, staleness, rewards and their components, pass rate, loss terms, KL, entropy,
 tool-error rate, flagged turns, response length, tokens/s of rollout and learner, their overlap,
-the engine's occupancy, the learner's wait for batches, dropped groups, the prompts trained on: `rl.records`; `eval_pass@1` every `eval.every` steps:
-`rl.evaluator`), `monitor.jsonl`
+the engine's occupancy, the learner's wait for batches, dropped groups, the prompts trained on:
+`rl.records`; `eval_pass@1` every `eval.every` steps: `rl.evaluator`), `monitor.jsonl`
 (episodes the reward-hacking monitor flagged), `eval/step-N/` (held-out attempts) and `checkpoints/`
 (learner state, policy version = step, the task sampler's state with its random generator). Killing
 the run and starting the same command again continues from the last checkpoint: the sampler draws
