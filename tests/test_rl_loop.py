@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL = ["model=tiny", "model.rope.factor=16", "model.rope.max_position_embeddings=256", "model.moe.dispatch=dense"]
 TINY = ["init_from=", *MODEL, "rl.group_size=4", "rl.max_tokens=6", "rl.optimizer.lr=1e-3", "rollout.batch_size=8",
         "rollout.max_new_tokens=6", "rollout.max_len=80", "rollout.max_slots=8", "rollout.feedback_window=128",
-        "progress=false", "checkpoint.async_save=false"]
+        "progress=false", "checkpoint.async_save=false", "rollout.devices=0"]   # the engine on the 8 test devices
 
 
 # pretrain-tiny's run of the same model (tests.random_models.save_random_run): a source for init_from.
@@ -62,11 +62,23 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     steps = 3
     cfg = _config(tmp_path / "async", "rl.max_staleness=0", f"rl.steps={steps}")
     trainer = RLTrainer(cfg, parity_tasks())
+    waits, next_batch = [], trainer.rollouts.next_batch
+
+    def timed_next_batch():       # the learner's wait for each batch, measured here
+        began = time.perf_counter()
+        try:
+            return next_batch()
+        finally:
+            waits.append(time.perf_counter() - began)
+
+    trainer.rollouts.next_batch = timed_next_batch
     summary = trainer.run()
     records = _records(cfg.run_dir)
     assert summary["end_step"] == steps and [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness_max"] == 0 for r in records)
     assert all(0 < r["mtp1_acceptance"] <= 1 for r in records)
+    assert [r["learner_wait_s"] for r in records] == pytest.approx(waits, abs=0.05)
+    assert 0 < summary["learner_wait_fraction"] < 1 and all(0 < r["engine_occupancy"] <= 1 for r in records)
 
     # The synchronous reference: the same initial model, sampler and seeds; the compiled step is reused.
     model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))

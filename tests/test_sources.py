@@ -232,7 +232,7 @@ def test_rl_from_a_transformers_checkpoint_speaks_its_tokenizer(hf_dir, tmp_path
     path, _ = hf_dir
     cfg = load_rl_config("rl-tiny", [f"init_from={path}", f"run_dir={tmp_path / 'rl'}", "rollout.max_len=64",
                                      "rollout.feedback_window=64", "rl.sd_teacher=initial", "rl.teacher_context=full",
-                                     "rollout.transport=directory", "progress=false"])
+                                     "rollout.transport=directory", "rollout.devices=0", "progress=false"])
     trainer = RLTrainer(cfg)      # the directory transport: no in-process engine to build here
     try:
         assert trainer.tokenizer.name == str(path / "tokenizer.json") and trainer.cfg.env.format == "plain"

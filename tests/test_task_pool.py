@@ -40,7 +40,8 @@ SOURCES = {**{path: text for path, text in LEVEL_SOURCES.items() if "text" not i
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["init_from=", "model=tiny", "rl.group_size=2", "rollout.batch_size=4", "rollout.max_new_tokens=6",
-        "rollout.max_len=64", "rollout.feedback_window=32", "sampler.retire_after=2", "progress=false"]
+        "rollout.max_len=64", "rollout.feedback_window=32", "sampler.retire_after=2", "progress=false",
+        "rollout.devices=0"]
 
 
 class SolvingAgent:

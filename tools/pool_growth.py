@@ -35,7 +35,7 @@ from feature_deletion_real import download_sdist   # tools/: the sdist's unpacke
 from composer_jax.cpu_devices import use_cpu_devices
 
 RUN = ["init_from=", "model=tiny", "model.rope.factor=16", "model.rope.max_position_embeddings=256",
-       "model.moe.dispatch=dense", "cpu_devices=2", "rl.group_size=4", "rl.max_tokens=6", "rollout.batch_size=8",
+       "model.moe.dispatch=dense", "cpu_devices=2", "rollout.devices=0", "rl.group_size=4", "rl.max_tokens=6", "rollout.batch_size=8",
        "rollout.max_new_tokens=6", "rollout.max_len=128", "rollout.max_slots=8", "rollout.feedback_window=32",
        "rl.sd_coef=0", "eval.every=0", "checkpoint.every=1000", "checkpoint.async_save=false", "progress=false",
        "env.kind=coding"]

@@ -157,7 +157,7 @@ def _load_rl(args):
     group = _find_group(args) if args.command == "rl" else None
     if group is not None:       # checked before the group forms: no process waits for a peer that stopped
         cfg.check_processes(group.num_processes)
-    use_cpu_devices(cfg.cpu_devices)
+    use_cpu_devices(cfg.host_cpu_devices)
     quiet_logging()
     return cfg
 
@@ -182,7 +182,8 @@ def _run_rl(args) -> int:
     line = f"rl: steps {s['start_step']} -> {s['end_step']} in {s['wall_s']:.0f} s"
     if "first_fifth_reward" in s:
         line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
-    line += f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time after the first step"
+    line += (f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time after the first step, "
+             f"the learner waited for batches {100 * s['learner_wait_fraction']:.0f}%")
     print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, eval/, checkpoints/; "
           f"plot: composer-jax plot {cfg.run_dir})")
     return 0

@@ -408,6 +408,7 @@ class Engine:
         self.stats["drafted"] += int(emitted.drafted.sum())
         self.stats["accepted"] += int(emitted.accepted.sum())
         self.stats["decode_steps"] += int((emitted.count.sum(axis=1) > 0).sum())
+        self.stats["decode_busy_slot_steps"] += int((emitted.count > 0).sum())   # occupancy: / (decode_steps x max_slots)
         for i in decoding:
             slot = self.slots[i]
             counts = emitted.count[:, i]

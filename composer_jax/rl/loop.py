@@ -18,8 +18,8 @@ writes each version's parameters to the exchange directory and reads the batches
 Everything a run writes lives in RUN_DIR: `config.yaml`, `metrics.jsonl` + `tb/` (one line per step:
 policy version, staleness, rewards and their components, pass rate, loss terms, KL, entropy,
 tool-error rate, flagged turns, response length, tokens/s of rollout and learner, their overlap,
-dropped groups, the prompts trained on: `rl.records`; `eval_pass@1` every `eval.every` steps:
-`rl.evaluator`), `monitor.jsonl`
+the engine's occupancy, the learner's wait for batches, dropped groups, the prompts trained on:
+`rl.records`; `eval_pass@1` every `eval.every` steps: `rl.evaluator`), `monitor.jsonl`
 (episodes the reward-hacking monitor flagged), `eval/step-N/` (held-out attempts) and `checkpoints/`
 (learner state, policy version = step, the task sampler's state with its random generator). Killing
 the run and starting the same command again continues from the last checkpoint: the sampler draws
@@ -106,8 +106,9 @@ class RLTrainer:
                 step = start
                 # In a group every process stops after the same step (a signal may reach only some).
                 while step < cfg.rl.steps and not self.life.stop_requested():
+                    waited = time.time()
                     produced = self.rollouts.next_batch()
-                    stale = records.arrived(produced, step, cfg.rl.max_staleness)
+                    stale = records.arrived(produced, step, cfg.rl.max_staleness, (waited, time.time()))
                     if stale is None:   # never trained on
                         continue
                     step += 1
@@ -138,7 +139,8 @@ class RLTrainer:
             progress.write(f"step {step}: held-out pass@1 {record['eval_pass@1']:.3f}")
         writer.write(record)
         progress.update(1, record["loss"], record["learner_tokens_per_s"], None)
-        progress.status(f"reward {record.get('reward_mean', 0.0):.3f}")
+        progress.status(f"reward {record.get('reward_mean', 0.0):.3f}, learner waits "
+                        f"{100 * record['learner_wait_fraction']:.0f}%")
 
     def _close(self, progress, writer) -> None:
         self.rollouts.stop()

@@ -343,6 +343,17 @@ class RolloutProducer:
                 return
             time.sleep(POLL_S * 10)
 
+    def _engine_counts(self) -> dict[str, int] | None:
+        """The engine's running counts of decode steps, the slots they offered and those busy (the
+        engine adds them up at each decode call's host sync, nothing more); None for an agent without
+        an engine. A batch's share of busy slots is the difference over it (`rl.records`)."""
+        engine = getattr(self.agent, "engine", None)
+        if engine is None:
+            return None
+        steps = engine.stats["decode_steps"]
+        return {"engine_decode_steps": steps, "engine_slot_steps": steps * engine.max_slots,
+                "engine_busy_slot_steps": engine.stats["decode_busy_slot_steps"]}
+
     def produce(self, index: int) -> ProducedBatch | None:
         """One batch for policy version `index` (None if stopped meanwhile)."""
         if self.pool is not None:
@@ -350,7 +361,7 @@ class RolloutProducer:
             if self._stop.is_set():
                 return None
         start, began = time.perf_counter(), time.time()
-        before = dict(self.groups.counts)
+        before, engine_before = dict(self.groups.counts), self._engine_counts()
         prompts = self.sampler.draw(self.cfg.prompts_per_step)
         groups = GroupPlay(self, prompts, index)
         if not groups.play(self._stop):
@@ -364,6 +375,8 @@ class RolloutProducer:
                                   self.cfg.rollout.feedback_window)
         metrics.update({f"groups_{k}": float(self.groups.counts[k] - before[k]) for k in COUNTS}, **groups.failures)
         metrics["groups_padded"] = float(self.cfg.prompts_per_step - len(trainable))
+        if engine_before is not None:
+            metrics.update({k: float(v - engine_before[k]) for k, v in self._engine_counts().items()})
         metrics.update(monitor_counts([x.report for x in finished]))
         metrics.update(self.sampler.summary())
         if self.pool is not None:

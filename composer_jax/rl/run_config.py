@@ -30,7 +30,8 @@ class RolloutConfig:
     """How rollouts are produced (the inference engine, driven from one thread; episodes in threads)."""
 
     batch_size: int = 16            # trajectories per step: batch_size / rl.group_size prompts
-    devices: int = 0                # 0: the engine shares the learner's devices; K: the engine on the last K, the learner on the rest
+    # 0: the engine shares the learner's devices; K: the engine on the last K, the learner on the rest (CPU: K more fake devices)
+    devices: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                  # 0: no limit
@@ -192,7 +193,8 @@ class RLRunConfig:
     init_from: str = ""
     tokenizer: str = ""             # "byte", a tokenizer.json / tiktoken file; "": init_from's, else byte
     seed: int = 0                   # model initialisation and rollout sampling
-    cpu_devices: int = 8            # fake host devices for CPU runs (set before JAX starts)
+    # fake host devices for CPU runs (set before JAX starts); an in-process engine's rollout.devices come on top
+    cpu_devices: int = 8
     progress: bool = True           # the progress bar (stderr)
     run_dir: str = "runs/rl"
 
@@ -219,6 +221,12 @@ class RLRunConfig:
             return 0
         return self.rollout.feedback_slots or (self.env.max_turns if self.env.kind == "coding" or self.env.use_tool
                                                else 1)
+
+    @property
+    def host_cpu_devices(self) -> int:
+        """The fake CPU devices a process of this run asks for: the learner's, and those of its in-process
+        engine when it has its own."""
+        return self.cpu_devices + (self.rollout.devices if self.rollout.transport == "thread" else 0)
 
     @property
     def prompts_per_step(self) -> int:

@@ -43,7 +43,9 @@ FIGURES = {
     "rl_throughput": ("RL throughput", {LEFT: "tokens / s", RIGHT: "fraction of wall time"},
                       [("rollout_tokens_per_s", "rollout tokens/s", LEFT),
                        ("learner_tokens_per_s", "learner tokens/s", LEFT),
-                       ("overlap_fraction", "rollout and learning overlap", RIGHT)]),
+                       ("overlap_fraction", "rollout and learning overlap", RIGHT),
+                       ("learner_wait_fraction", "learner waiting for rollouts", RIGHT),
+                       ("engine_occupancy", "engine slots busy", RIGHT)]),
     "staleness": ("Staleness", {LEFT: "policy versions"},
                   [("staleness_mean", "mean", LEFT), ("staleness_max", "max", LEFT)]),
 }
