@@ -1,7 +1,7 @@
 """Rollout throughput in the RL loop's records, each against an independent count: the engine's busy
-slots over its decode steps (requests of known lengths), the producer's tokens per second and engine
-occupancy (an agent with known tokens, timings and slot use), and the learner's wait for batches (known
-intervals)."""
+slots over its decode steps (requests of known lengths), the producer's tokens per second, engine
+occupancy and speculative acceptance (an agent with known tokens, timings, slot use and drafts), and
+the learner's wait for batches (known intervals)."""
 
 import collections
 import threading
@@ -42,8 +42,9 @@ class CountingAgent:
     TOKENS, SLEEP_S, STEPS, SLOTS = 3, 0.2, 2, 4
     tokenizer, version = ByteTokenizer(), 0
 
-    def __init__(self):
-        self.engine = type("FakeEngine", (), {"stats": collections.Counter(), "max_slots": self.SLOTS})()
+    def __init__(self, speculative: bool = False):
+        self.engine = type("FakeEngine", (), {"stats": collections.Counter(), "max_slots": self.SLOTS,
+                                              "speculative": speculative})()
         self.given, self.lock = 0, threading.Lock()
 
     def turn(self, request):
@@ -53,6 +54,8 @@ class CountingAgent:
             self.given += len(tokens)
             self.engine.stats["decode_steps"] += self.STEPS
             self.engine.stats["decode_busy_slot_steps"] += 1
+            self.engine.stats["drafted"] += 3       # a speculative engine: 3 drafts, 1 of them accepted
+            self.engine.stats["accepted"] += 1
         return AgentTurn(tokens)
 
     def end_episode(self, episode):
@@ -78,6 +81,21 @@ def test_the_producer_reports_generated_tokens_per_busy_second_and_engine_occupa
     assert record["engine_occupancy"] == pytest.approx(1 / (CountingAgent.STEPS * CountingAgent.SLOTS))
     assert record["engine_decode_steps"] == CountingAgent.STEPS * cfg.rollout.batch_size
     assert "engine_slot_steps" not in record and "engine_busy_slot_steps" not in record
+    assert "speculative_acceptance_rate" not in record      # a plain engine
+
+
+def test_the_producer_reports_speculative_acceptance_and_tokens_per_decode_step():
+    """A speculative engine that drafted 3 tokens and accepted 1 in each turn's one busy slot-step: 1/3
+    accepted, 1 + 1 tokens per busy slot and step (the plain engine's 1)."""
+    cfg = load_rl_config("rl-tiny", [*TINY, "run_dir=unused"])
+    tasks = parity_tasks()
+    sampler = TaskSampler(list(tasks.train), cfg.sampler)
+    produced = RolloutProducer(CountingAgent(speculative=True), tasks.train, tasks.make_env, sampler,
+                               group_assembler(cfg, sampler), cfg).produce(0)
+    record = RunRecords(0, 1).record(1, produced, np.zeros(0), {"reward_mean": 0.0, "tokens": 1.0}, (0.0, 1.0))
+    assert record["speculative_acceptance_rate"] == pytest.approx(1 / 3)
+    assert record["speculative_tokens_per_step"] == pytest.approx(2.0)
+    assert "engine_drafted" not in record and "engine_accepted" not in record
 
 
 def _batch(index: int, busy: tuple[float, float]) -> ProducedBatch:

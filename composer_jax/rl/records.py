@@ -52,13 +52,20 @@ class Overlap:
                 "learner_busy_fraction": busy["learner"], "learner_wait_fraction": busy["learner_wait"]}
 
 
-def engine_occupancy(metrics: dict) -> dict[str, float]:
-    """The batch's share of engine slots busy over its decode steps, from the producer's counts (which
-    it replaces); nothing when the batch came from an agent without an engine."""
+def engine_rates(metrics: dict) -> dict[str, float]:
+    """The batch's share of engine slots busy over its decode steps and, with speculative decoding, the
+    share of drafted tokens accepted and the tokens a busy slot emitted per decode step (1 + its accepted
+    drafts: the speed-up in decode steps over plain decoding), from the producer's counts (which they
+    replace); nothing when the batch came from an agent without an engine."""
     if "engine_slot_steps" not in metrics:
         return {}
     busy, offered = metrics.pop("engine_busy_slot_steps"), metrics.pop("engine_slot_steps")
-    return {"engine_occupancy": busy / offered if offered else 0.0}
+    rates = {"engine_occupancy": busy / offered if offered else 0.0}
+    if "engine_drafted" in metrics:
+        drafted, accepted = metrics.pop("engine_drafted"), metrics.pop("engine_accepted")
+        rates.update(speculative_acceptance_rate=accepted / drafted if drafted else 0.0,
+                     speculative_tokens_per_step=1 + accepted / busy if busy else 1.0)
+    return rates
 
 
 def staleness(produced: ProducedBatch, version: int) -> np.ndarray:
@@ -100,7 +107,7 @@ class RunRecords:
             self.overlap.start(ended)
         metrics, rollout = dict(metrics), dict(produced.metrics)
         metrics["batch_reward_mean"] = metrics.pop("reward_mean")   # padding rows included
-        rollout.update(engine_occupancy(rollout))
+        rollout.update(engine_rates(rollout))
         oldest = produced.row_versions[0]
         record = {"step": step, "policy_version": step, **rollout, **metrics,
                   "staleness_mean": float(stale.mean()) if stale.size else 0.0,

@@ -344,15 +344,19 @@ class RolloutProducer:
             time.sleep(POLL_S * 10)
 
     def _engine_counts(self) -> dict[str, int] | None:
-        """The engine's running counts of decode steps, the slots they offered and those busy (the
-        engine adds them up at each decode call's host sync, nothing more); None for an agent without
-        an engine. A batch's share of busy slots is the difference over it (`rl.records`)."""
+        """The engine's running counts of decode steps, the slots they offered and those busy, and with
+        speculative decoding the tokens drafted and accepted (the engine adds them up at each decode
+        call's host sync, nothing more); None for an agent without an engine. A batch's shares are the
+        differences over it (`rl.records`)."""
         engine = getattr(self.agent, "engine", None)
         if engine is None:
             return None
         steps = engine.stats["decode_steps"]
-        return {"engine_decode_steps": steps, "engine_slot_steps": steps * engine.max_slots,
-                "engine_busy_slot_steps": engine.stats["decode_busy_slot_steps"]}
+        counts = {"engine_decode_steps": steps, "engine_slot_steps": steps * engine.max_slots,
+                  "engine_busy_slot_steps": engine.stats["decode_busy_slot_steps"]}
+        if getattr(engine, "speculative", False):
+            counts.update(engine_drafted=engine.stats["drafted"], engine_accepted=engine.stats["accepted"])
+        return counts
 
     def produce(self, index: int) -> ProducedBatch | None:
         """One batch for policy version `index` (None if stopped meanwhile)."""
