@@ -103,8 +103,11 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
                 ours = records[step]
                 assert ours["trained_draws"] == [p.draw for p in produced.trained]
                 assert ours["reward_mean"] == produced.metrics["reward_mean"]
+                # The same tokens, but their behaviour log-probs differ by ~1e-6 with which requests shared
+                # an engine call (the attended length follows the batch, docs/inference.md), and the
+                # policy-gradient loss is a small difference of them: in CI the loss moved 1.5e-5 relative.
                 for name in ("loss", "loss_pg", "loss_sd", "grad_norm"):
-                    assert ours[name] == pytest.approx(float(metrics[name]), rel=1e-6, abs=1e-9), (step, name)
+                    assert ours[name] == pytest.approx(float(metrics[name]), rel=1e-4, abs=1e-7), (step, name)
         finally:
             agent.close()
     assert any(r["loss_sd"] > 0 for r in records) and any(r["groups_trainable"] > 0 for r in records)
