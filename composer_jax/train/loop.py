@@ -83,17 +83,17 @@ class Trainer:
         self.checkpoints = RunCheckpoints(self.run_dir / "checkpoints", cfg.checkpoint)
         try:
             self.life = Lifecycle(self.checkpoints, self.save, cfg.checkpoint.every, cfg.train.steps)
-            self.resumed_from = self.life.resumed_from
             self.source = None
-            if self.resumed_from is not None:
-                cfg, change = schedule_on_resume(cfg, self.checkpoints.config(self.resumed_from), self.resumed_from)
+            resumed = self.life.resumed_from
+            if resumed is not None:
+                cfg, change = schedule_on_resume(cfg, self.checkpoints.config(resumed), resumed)
                 if change:
                     log.info(change)
             elif cfg.train.init_from:
                 self.source = source_for(cfg.train.init_from, "train.init_from")
             self.cfg = cfg
             self.chat, tokenizer, fmt = run_chat_setup(
-                self.run_dir if self.resumed_from is not None else None, self.source, cfg.data.tokenizer,
+                self.run_dir if resumed is not None else None, self.source, cfg.data.tokenizer,
                 cfg.data.chat_format, dataclasses.asdict(cfg.agent), cfg.model.vocab_size,
                 ("data.tokenizer", "data.chat_format"))
             self.dual = make_mesh(cfg)
@@ -108,11 +108,12 @@ class Trainer:
             raise
 
     def _initial_state(self) -> TrainState:
-        if self.resumed_from is not None:
+        resumed = self.life.resumed_from
+        if resumed is not None:
             state, data_state = self.life.resume(self.layout.abstract)
             self.batches.restore(data_state)
-            log.info("resuming from checkpoint %s (step %d of %d)", self.checkpoints.directory / str(self.resumed_from),
-                     self.resumed_from, self.cfg.train.steps)
+            log.info("resuming from checkpoint %s (step %d of %d)", self.checkpoints.directory / str(resumed),
+                     resumed, self.cfg.train.steps)
             return state
         if self.cfg.train.init_from:
             return self._load_init_params()
@@ -150,7 +151,8 @@ class Trainer:
         write_chat(self.run_dir, self.chat, self.batches.tokenizer)   # the run opens as a model source
         writer = metrics_lib.MetricsWriter(self.run_dir, keep_through=self.life.keep_through(start))
         if writer.dropped:
-            where = f"after step {start}" if self.resumed_from is not None else "by an earlier attempt (no checkpoint)"
+            resumed = self.life.resumed_from is not None
+            where = f"after step {start}" if resumed else "by an earlier attempt (no checkpoint)"
             log.info("dropped %d metrics records logged %s", writer.dropped, where)
         return writer
 
