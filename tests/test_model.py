@@ -89,8 +89,11 @@ def test_yarn_at_full_k25_size():
     assert rope.softmax_scale(tiny.mla, tiny.rope) == pytest.approx(24 ** -0.5 * (0.1 * math.log(4) + 1) ** 2)
 
 
-@pytest.mark.parametrize("backend", ["dense_batched", "ragged", "gather", "blocked"])
+@pytest.mark.parametrize("backend", ["dense_batched", "ragged", "gather", "blocked",
+                                     *(f"{b}/per_expert" for b in ("dense_batched", "gather", "blocked"))])
 def test_dispatch_equals_dense_values_and_grads(backend):
+    """Every backend against `dense` on stacked weights; '/per_expert': the same weights as per-expert
+    arrays (the CPU inference layout), the gradient stacked back for the comparison."""
     rng = np.random.default_rng(1)
     e, d, f, t, k = 8, 12, 10, 40, 3
     x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
@@ -102,7 +105,11 @@ def test_dispatch_equals_dense_values_and_grads(backend):
     def loss(backend, x, weights, w):
         return jnp.sum(jnp.sin(backend(x, weights, idx, w)))
 
-    tested = jax.value_and_grad(lambda *a: loss(dispatch.BACKENDS[backend], *a), (0, 1, 2))(x, weights, w)
+    name, _, layout = backend.partition("/")
+    split = (lambda w: dispatch.ExpertWeights(*(tuple(m) for m in w))) if layout else (lambda w: w)
+    assert dispatch.per_expert(split(w)) == bool(layout)
+    tested = jax.value_and_grad(lambda x, weights, w: loss(dispatch.BACKENDS[name], x, weights, split(w)),
+                                (0, 1, 2))(x, weights, w)
     for i, (a, b) in enumerate(zip(tested,
                                    jax.value_and_grad(lambda *a: loss(dispatch.dense, *a), (0, 1, 2))(x, weights, w))):
         for la, lb in zip(jax.tree.leaves(a), jax.tree.leaves(b)):

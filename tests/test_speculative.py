@@ -162,9 +162,10 @@ def test_speculative_setting_resolves_and_names_the_key(model):
     with pytest.raises(GenerationError, match="speculative must be one of"):
         Engine(model, speculative="maybe", **SMALL)
     # the RL key: rollouts (and the runs' evaluation) pass it to the engine agent
-    assert load_rl_config("rl-tiny", ["rollout.speculative=on"]).rollout.speculative == "on"
+    standalone = ["init_from=", "model=tiny", "model.rope.max_position_embeddings=256"]   # no SFT run needed
+    assert load_rl_config("rl-tiny", [*standalone, "rollout.speculative=on"]).rollout.speculative == "on"
     with pytest.raises(ConfigError, match=r"rollout.speculative.*mtp.num_layers=0"):
-        load_rl_config("rl-tiny", ["rollout.speculative=on", "model.mtp.num_layers=0"])
+        load_rl_config("rl-tiny", [*standalone, "rollout.speculative=on", "model.mtp.num_layers=0"])
 
 
 def _exact_joint(model, prompt):

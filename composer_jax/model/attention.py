@@ -132,9 +132,11 @@ class MLA(nnx.Module):
         """
         mla, dt, f32 = self.cfg, self.dtype, jnp.float32
         q_nope, q_rope = q
-        kv_b = weight(self.kv_b_proj, dt)
-        w_uk, w_uv = kv_b[..., : mla.qk_nope_head_dim], kv_b[..., mla.qk_nope_head_dim:]  # [r, h, nope], [r, h, v]
-        q_latent = jnp.einsum("bshd,rhd->bshr", q_nope, w_uk)                         # [b, s, h, r_kv]
+        # Heads first, as the batched matmuls want them: a transpose of the weights alone, which XLA
+        # hoists out of a decode loop (left to layout assignment, it was a copy in every step).
+        kv_b = jnp.transpose(weight(self.kv_b_proj, dt), (1, 0, 2))                   # [h, r, nope + v]
+        w_uk, w_uv = kv_b[..., : mla.qk_nope_head_dim], kv_b[..., mla.qk_nope_head_dim:]  # [h, r, nope], [h, r, v]
+        q_latent = jnp.einsum("bshd,hrd->bshr", q_nope, w_uk)                         # [b, s, h, r_kv]
         scores = jnp.concatenate([
             jnp.einsum("bqhr,bkr->bhqk", q_latent, c_kv.astype(dt), preferred_element_type=f32)
             + jnp.einsum("bqhd,bkd->bhqk", q_rope, k_rope.astype(dt), preferred_element_type=f32)
@@ -143,8 +145,14 @@ class MLA(nnx.Module):
         bounds = np.cumsum([0] + [c.shape[1] for c, _ in parts])
         out_latent = sum(jnp.einsum("bhqk,bkr->bqhr", probs[..., lo:hi], c_kv.astype(dt))
                          for (c_kv, _), lo, hi in zip(parts, bounds[:-1], bounds[1:]))  # [b, s, h, r_kv]
-        out = jnp.einsum("bqhr,rhd->bqhd", out_latent, w_uv)                          # [b, s, h, v]
-        return jnp.einsum("bqhd,hde->bqe", out, weight(self.o_proj, dt)), max_logits
+        out = jnp.einsum("bqhr,hrd->bqhd", out_latent, w_uv)                          # [b, s, h, v]
+        return self.project_out(out), max_logits
+
+    def project_out(self, out: jax.Array) -> jax.Array:
+        """out: [batch, seq, heads, v] -> [batch, seq, embed] through o_proj, as one matmul over (heads, v)
+        flattened: an einsum over both let XLA:CPU pick a (v, heads) order and copy o_proj per call."""
+        h, v, d = self.o_proj.shape
+        return jnp.reshape(out, (*out.shape[:2], h * v)) @ jnp.reshape(weight(self.o_proj, self.dtype), (h * v, d))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: AttentionMask, prefix=None,
                  absorbed: bool = False):

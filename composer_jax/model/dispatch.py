@@ -4,6 +4,12 @@
     x: [tokens, embed]; weights: f32[tokens, k]; idx: int32[tokens, k];
     experts: ExpertWeights(gate [E, embed, f], up [E, embed, f], down [E, f, embed]); y: [tokens, embed]
 
+Expert weights come stacked (one array per matrix), or for inference on one CPU device as per-expert
+arrays (a tuple of E arrays per matrix, `decoder.unstack_layers`): XLA:CPU copies every slice it takes
+of a stacked array before a matmul reads it (a weight-bound decode step spent 40% of its time in those
+copies), while a per-expert array is read in place; `gather` and `blocked` then pick the expert with a
+`lax.switch` and `dense_batched` loops over the experts.
+
 - `dense`: every expert on every token, combined with a one-hot weight matrix. The reference.
 - `dense_batched`: `dense` with the tokens broadcast over the expert axis, so each matmul is a batched
   one over the weights as stored ("td,edf" transposes every expert's weights first: 13x slower on CPU at
@@ -33,9 +39,38 @@ class ExpertWeights(NamedTuple):
     down: jax.Array  # [experts, moe_mlp, embed]
 
 
+def per_expert(w: ExpertWeights) -> bool:
+    """Whether `w` holds per-expert arrays (tuples of E arrays) rather than stacked ones."""
+    return isinstance(w.gate, tuple)
+
+
+def num_experts_of(w: ExpertWeights) -> int:
+    return len(w.gate) if per_expert(w) else w.gate.shape[0]
+
+
+def stacked(w: ExpertWeights) -> ExpertWeights:
+    """`w` with stacked arrays (per-expert ones are stacked: a copy)."""
+    return ExpertWeights(*(jnp.stack(m) for m in w)) if per_expert(w) else w
+
+
+def apply_expert(w: ExpertWeights, expert: jax.Array, fn: Callable, *args) -> jax.Array:
+    """fn(gate, up, down, *args) with the matrices of `expert` (int32[], traced): sliced in place from
+    stacked arrays, or the per-expert arrays chosen by a switch (read without a copy on CPU)."""
+    if per_expert(w):
+        return jax.lax.switch(expert, [functools.partial(fn, *m) for m in zip(*w)], *args)
+    return fn(*(jax.lax.dynamic_index_in_dim(m, expert, keepdims=False) for m in w), *args)
+
+
+def _swiglu(gate, up, down, x):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
 def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights, batched: bool = False) -> jax.Array:
-    num_experts = w.gate.shape[0]
+    num_experts = num_experts_of(w)
     combine = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(idx, num_experts, dtype=weights.dtype))
+    if per_expert(w):     # each expert's matmuls on its own array, in turn
+        outs = [_swiglu(*m, x).astype(jnp.float32) for m in zip(*w)]
+        return sum(combine[:, e, None] * out for e, out in enumerate(outs)).astype(x.dtype)
     if batched:     # the tokens broadcast over the experts: a batched matmul over the weights as stored
         xe = jnp.broadcast_to(x, (num_experts, *x.shape))
         h = jax.nn.silu(jnp.einsum("etd,edf->etf", xe, w.gate)) * jnp.einsum("etd,edf->etf", xe, w.up)
@@ -49,6 +84,7 @@ dense_batched = functools.partial(dense, batched=True)
 
 
 def ragged(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
+    w = stacked(w)
     tokens, k = idx.shape
     num_experts = w.gate.shape[0]
     flat_expert = idx.reshape(-1)
@@ -68,9 +104,7 @@ def gather(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -
 
     def assignment(y, a):
         token, expert, weight = a
-        gate, up, down = (jax.lax.dynamic_index_in_dim(m, expert, keepdims=False) for m in w)  # one expert's
-        h = jax.nn.silu(x[token] @ gate) * (x[token] @ up)
-        return y.at[token].add(weight * (h @ down).astype(jnp.float32)), None
+        return y.at[token].add(weight * apply_expert(w, expert, _swiglu, x[token]).astype(jnp.float32)), None
 
     owners = jnp.repeat(jnp.arange(tokens), k)
     y, _ = jax.lax.scan(assignment, jnp.zeros(x.shape, jnp.float32), (owners, idx.reshape(-1), weights.reshape(-1)))
@@ -85,7 +119,7 @@ def block_rows(tokens: int, k: int, experts: int) -> int:
 
 def blocked(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
     tokens, k = idx.shape
-    num_experts, n = w.gate.shape[0], idx.size
+    num_experts, n = num_experts_of(w), idx.size
     block = block_rows(tokens, k, num_experts)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)                          # assignments grouped by expert
@@ -103,8 +137,7 @@ def blocked(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) 
 
     def one_block(_, a):
         xb, expert = a
-        gate, up, down = (jax.lax.dynamic_index_in_dim(m, expert, keepdims=False) for m in w)  # sliced in place
-        return None, (jax.nn.silu(xb @ gate) * (xb @ up)) @ down
+        return None, apply_expert(w, expert, _swiglu, xb)
 
     _, out = jax.lax.scan(one_block, None, (xs, block_expert))
     scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])[assignment]

@@ -44,6 +44,13 @@ class MoE(nnx.Module):
         self.shared = (MLP(cfg, f * moe.n_shared_experts, rngs=rngs, mlp_axis="moe_mlp")
                        if moe.n_shared_experts else None)
 
+    def _local(self, var: nnx.Param):
+        """An expert matrix in the compute dtype: stacked, or per-expert arrays as `unstack_layers` left them."""
+        value = var.get_value()
+        if isinstance(value, tuple):
+            return tuple(m.astype(self.dtype) for m in value)
+        return value.astype(self.dtype)
+
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, s, d = x.shape
         dual = self.mesh
@@ -54,7 +61,7 @@ class MoE(nnx.Module):
                                  "`composer_jax.parallel.shard_model(model, dual_mesh)` or use 'ragged' / 'dense'")
             tokens = x.reshape(b * s, d).astype(self.dtype)
             weights, idx = self.router(tokens)
-            w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
+            w = dispatch.ExpertWeights(*(self._local(e) for e in experts))
             y = dispatch.BACKENDS[self.dispatch](tokens, weights, idx, w).reshape(b, s, d)
             stats = {"expert_load": expert_load(idx, self.num_experts), "dropped": jnp.zeros((), jnp.int32)}
         else:
