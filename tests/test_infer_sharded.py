@@ -64,7 +64,7 @@ def test_sharded_engine_equals_one_device(models, slots, speculative):
         state = Slots(*(np.zeros(n, np.int32) for _ in range(2)), np.ones(n, bool), np.ones(n, np.int32),
                       np.full((n, 8), -1, np.int32), SlotSampling.of([SamplingParams()] * n))
         with dual:
-            hlo = programs.decode.lower(engine.graphdef, engine.state, engine.cache, engine._put(state),
+            hlo = engine.programs.decode.lower(engine.graphdef, engine.state, engine.cache, engine._put(state),
                                         SHAPES["steps_per_call"], SHAPES["max_len"]).compile().as_text()
         gathered = {tuple(int(d) for d in dims.split(",") if d)
                     for dims in re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)}

@@ -122,7 +122,10 @@ def peer_threads(model, prompts: np.ndarray) -> dict:
 
 def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     """Median ms of one MoE layer's routed experts (forward) per dispatch backend at a decode step's
-    shape (`batch` tokens), and the backend our decode program uses there."""
+    shape (`batch` tokens), compiled as the engine's programs are, in the engine's layout on one CPU
+    device (per-expert arrays for the backends that take them, `dispatch.per_expert`), and the backend
+    our decode program uses there."""
+    from composer_jax.infer.programs import compiler_options
     from composer_jax.model import dispatch
 
     moe, d = cfg.moe, cfg.hidden_size
@@ -133,9 +136,14 @@ def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     weights = jnp.asarray(rng.uniform(size=(batch, k)), jnp.float32)
     w = dispatch.ExpertWeights(*(jnp.asarray(0.02 * rng.normal(size=s), jnp.float32)
                                  for s in ((e, d, f), (e, d, f), (e, f, d))))
-    calls = {kind: (lambda fn: lambda: fn(x, weights, idx, w))(jax.jit(fn)) for kind, fn in dispatch.BACKENDS.items()}
+    platform = jax.default_backend()
+    split = dispatch.ExpertWeights(*(tuple(m) for m in w)) if platform == "cpu" else w
+    layout = {kind: split if kind in dispatch.PER_EXPERT else w for kind in dispatch.BACKENDS}
+    options = compiler_options(platform)
+    calls = {kind: (lambda fn, w: lambda: fn(x, weights, idx, w))(jax.jit(fn, compiler_options=options), layout[kind])
+             for kind, fn in dispatch.BACKENDS.items()}
     ms = {kind: round(1e3 * s, 3) for kind, s in medians(interleaved(calls, repeats)).items()}
-    chosen = dispatch.inference_backend(jax.default_backend(), batch, k, e, moe.dispatch)
+    chosen = dispatch.inference_backend(platform, batch, k, e, moe.dispatch)
     return {"median_ms": ms, "chosen": chosen, "fastest": min(ms, key=ms.get)}
 
 

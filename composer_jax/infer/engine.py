@@ -135,6 +135,7 @@ class Engine:
         self.speculative, self.detokenize, self.max_stop_ids = self.draft_tokens > 0, detokenize, max_stop_ids
         self.eos_ids = self._check_ids(tuple(eos_ids), "eos_ids")
         self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
+        self.programs = programs.for_platform(jax.default_backend())
         self.graphdef, self.state = self._place(model)
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._program_state = self._for_programs(self.state)
@@ -369,8 +370,8 @@ class Engine:
         start, compiling = time.perf_counter(), self.stats["compile_s"]
         args = self._put((lengths, tokens, n_valid, lookahead, finishing, self._sampling()))
         attend = attend_length(max(self.slots[i].cached for i in reading), self.max_len)
-        self.cache, first = self._call("prefill", programs.prefill, self.graphdef, self._program_state, self.cache, *args,
-                                       attend)
+        self.cache, first = self._call("prefill", self.programs.prefill, self.graphdef, self._program_state,
+                                       self.cache, *args, attend)
         first = jax.device_get(first)
         self.stats["prefill_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["prefill_tokens"] += int(n_valid.sum())
@@ -401,8 +402,9 @@ class Engine:
         attend = attend_length(max(self.slots[i].cached for i in decoding) + per_step * self.steps + self.draft_tokens,
                                self.max_len)
         start, compiling = time.perf_counter(), self.stats["compile_s"]
-        self.cache, out_slots, emitted = self._call("decode", programs.decode, self.graphdef, self._program_state, self.cache,
-                                                    self._put(slots), self.steps, attend)
+        self.cache, out_slots, emitted = self._call("decode", self.programs.decode, self.graphdef,
+                                                    self._program_state, self.cache, self._put(slots), self.steps,
+                                                    attend)
         emitted, active = jax.device_get((emitted, out_slots.active))
         self.stats["decode_s"] += time.perf_counter() - start - (self.stats["compile_s"] - compiling)
         self.stats["drafted"] += int(emitted.drafted.sum())

@@ -32,6 +32,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -309,5 +310,33 @@ def _decode(graphdef, state, cache: Cache, slots: Slots, steps: int, attend: int
     return cache, slots, emitted
 
 
-prefill = jax.jit(_prefill, static_argnums=(0, 9), donate_argnums=2)
-decode = jax.jit(_decode, static_argnums=(0, 4, 5), donate_argnums=2)
+# XLA:CPU's YNNPACK library fusions (matmuls fused with their neighbours) ran decode's matmuls of a
+# few rows about 2x slower than XLA's own dot emitter (weight_bound at batch 8: 52 -> 115 decode
+# tokens/s, at 32: 120 -> 210; docs/inference.md): the programs compile without them on CPU.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def compiler_options(platform: str) -> dict | None:
+    """The compile options of the programs on `platform`: CPU_COMPILER_OPTIONS on CPU where this XLA
+    knows them (an experimental option may go), else XLA's defaults."""
+    if platform != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(0).compile()
+    except jax.errors.JaxRuntimeError:
+        return None
+    return CPU_COMPILER_OPTIONS
+
+
+class Programs(NamedTuple):
+    prefill: Callable
+    decode: Callable
+
+
+@functools.cache
+def for_platform(platform: str) -> Programs:
+    """The jitted prefill and decode programs, compiled with `compiler_options(platform)`."""
+    options = compiler_options(platform)
+    return Programs(jax.jit(_prefill, static_argnums=(0, 9), donate_argnums=2, compiler_options=options),
+                    jax.jit(_decode, static_argnums=(0, 4, 5), donate_argnums=2, compiler_options=options))
