@@ -113,7 +113,7 @@ def test_decode_peer_rows_follow_the_measurements(quick):
         assert row["same_greedy_rows"] == 1.0
         d = row["dispatch"]
         assert set(d["median_ms"]) == set(BACKENDS) and d["fastest"] == min(d["median_ms"], key=d["median_ms"].get)
-        assert d["chosen"] == inference_backend("cpu", row["batch"], 4, 16, "ragged")
+        assert d["chosen"] == inference_backend("cpu", row["batch"], 4, 16, "ragged", 256 * 128 * 4)
     assert rows[1]["step_bytes"]["weights"] > rows[0]["step_bytes"]["weights"]   # 8 rows touch more experts
 
 

@@ -204,7 +204,8 @@ def _dispatching(model, tokens: int):
     k = model.cfg.moe.num_experts_per_tok
     for _, module in nnx.iter_modules(model):
         if isinstance(module, MoE) and module.mesh is None:
-            module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch)
+            module.dispatch = inference_backend(jax.default_backend(), tokens, k, module.num_experts, module.dispatch,
+                                                module.expert_bytes)
     return model
 
 

@@ -146,20 +146,31 @@ def blocked(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) 
     return y[:tokens].astype(x.dtype)
 
 
-def inference_backend(platform: str, tokens: int, k: int, experts: int, configured: str) -> str:
+SMALL_EXPERT_BYTES = 1 << 20   # an expert matrix under this: per-iteration overhead outweighs its reads on CPU
+
+
+def inference_backend(platform: str, tokens: int, k: int, experts: int, configured: str,
+                      expert_bytes: int = SMALL_EXPERT_BYTES) -> str:
     """The backend for an inference forward of `tokens` tokens (a decode step, a prefill chunk) on
-    `platform` (jax.default_backend()).
+    `platform` (jax.default_backend()); `expert_bytes`: one expert matrix's size.
 
     On CPU, as measured on per-expert arrays (`composer-jax bench --sections decode_peer` records it at
     decode shapes; docs/inference.md): `gather` while the assignments are at most the experts (it
     reads only the experts assigned, once per assignment), else `blocked` (each touched expert read
-    once per block of its rows). At 16 experts top-4 with 1024x1024 experts, one layer: 1 token gather
-    3.2 ms against dense_batched 10.8; 8 tokens blocked 21.8 against dense_batched 25.8 and gather 29.0;
-    32 tokens blocked 33.2 against 62.4 and 78.7; `ragged` was 3-6x slower. Elsewhere the model's own
-    (`configured`) backend."""
+    once per block of its rows). With 16 1024x1024 experts top-4, one layer: 1 token gather 3.2 ms
+    against dense_batched 10.8; 8 tokens blocked 21.8 against dense_batched 25.8 and gather 29.0; 32
+    tokens blocked 33.2 against 62.4 and 78.7; `ragged` was 3-6x slower. Small experts (under
+    SMALL_EXPERT_BYTES) cost little to read and a loop iteration costs about as much as one expert's
+    matmuls, so there `dense_batched` (one matmul per expert, no loop) takes over from `blocked` while
+    its rows (every expert on every token) are at most 4x `blocked`'s (the assignments plus each
+    expert's last partial block): with 16 256x128 experts at 32 tokens 1.9 ms against 2.4.
+    Elsewhere the model's own (`configured`) backend."""
     if platform != "cpu":
         return configured
-    return "gather" if tokens * k <= experts else "blocked"
+    if tokens * k <= experts:
+        return "gather"
+    padded = tokens * k + experts * (block_rows(tokens, k, experts) - 1)
+    return "dense_batched" if expert_bytes < SMALL_EXPERT_BYTES and experts * tokens <= 4 * padded else "blocked"
 
 
 PER_EXPERT = ("dense_batched", "gather", "blocked")   # the backends that read per-expert arrays in place

@@ -41,6 +41,7 @@ class MoE(nnx.Module):
         self.up_proj = param(rngs, (e, d, f), ("experts", "embed", "moe_mlp"), pd, **up)
         self.down_proj = param(rngs, (e, f, d), ("experts", "moe_mlp", "embed"), pd,
                                reduction=("moe_mlp",), output=("embed",))
+        self.expert_bytes = d * f * self.dtype.itemsize   # one expert matrix in the compute dtype
         self.shared = (MLP(cfg, f * moe.n_shared_experts, rngs=rngs, mlp_axis="moe_mlp")
                        if moe.n_shared_experts else None)
 
