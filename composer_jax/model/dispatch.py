@@ -162,7 +162,7 @@ def inference_backend(platform: str, tokens: int, k: int, experts: int, configur
     tokens blocked 33.2 against 62.4 and 78.7; `ragged` was 3-6x slower. Small experts (under
     SMALL_EXPERT_BYTES) cost little to read and a loop iteration costs about as much as one expert's
     matmuls, so there `dense_batched` (one matmul per expert, no loop) takes over from `blocked` while
-    its rows (every expert on every token) are at most 4x `blocked`'s (the assignments plus each
+    its rows (every expert on every token) are at most 3x `blocked`'s (the assignments plus each
     expert's last partial block): with 16 256x128 experts at 32 tokens 1.9 ms against 2.4.
     Elsewhere the model's own (`configured`) backend."""
     if platform != "cpu":
@@ -170,7 +170,7 @@ def inference_backend(platform: str, tokens: int, k: int, experts: int, configur
     if tokens * k <= experts:
         return "gather"
     padded = tokens * k + experts * (block_rows(tokens, k, experts) - 1)
-    return "dense_batched" if expert_bytes < SMALL_EXPERT_BYTES and experts * tokens <= 4 * padded else "blocked"
+    return "dense_batched" if expert_bytes < SMALL_EXPERT_BYTES and experts * tokens <= 3 * padded else "blocked"
 
 
 PER_EXPERT = ("dense_batched", "gather", "blocked")   # the backends that read per-expert arrays in place
