@@ -14,10 +14,9 @@ DEFAULT_DRAFT_TOKENS = 2    # drafts per step when the setting gives none: see d
 # platform -> speculative decoding faster than plain? Each from `python tools/bench_decode.py` (bench/decode.py:
 # the trained tiny run and self-drafting models of the peer bench's sizes; docs/inference.md, Measured).
 MEASURED_FASTER = {
-    # 2-core CPU, 2026-12-03, batch 1, every draft accepted: weight_bound 1.03x / 0.85x / 0.54x at 1 / 2 / 3
-    # drafts (a second run 0.84x / 0.94x), tiny 0.55x / 0.85x / 0.54x; the trained tiny run 0.45-0.57x at 2.
-    # Batch 8, every draft accepted: weight_bound 1.36x / 1.54x, tiny 1.28x / 1.44x at 1 / 2 drafts; the
-    # trained run's acceptance at batch 8 is not measured yet, so off.
+    # 2-core CPU, 2026-12-03, every draft accepted (self-drafting weight_bound), after plain decoding read
+    # its weights in place (ba06bdd): batch 1 0.70x / 0.74x at 1 / 2 drafts (a speculative step costs 2.9x /
+    # 4.0x a plain one), batch 8 1.10x / 1.06x; the trained tiny run accepts 76-85%, so below those. Off.
     "cpu": False,
 }
 
