@@ -198,8 +198,10 @@ def test_fixed_teacher_is_the_initial_policy(model, hint_len):
     terms = _reference_terms(rl_step.graphdef, state.biases, rl_step.rest, batch, cfg, rl_step.teacher_params)
     separate = jax.jit(lambda p: {k: jax.value_and_grad(terms[k])(p) for k in ("pg", "sd")})(moved)
     for name, (value, _) in separate.items():
-        assert abs(float(metrics[f"loss_{name}"]) - float(value)) <= 1e-5 * abs(float(value)), name
-    assert abs(float(loss) - sum(float(v) for v, _ in separate.values())) <= 1e-5 * abs(float(loss))
+        # sd is a small difference of O(1) log-probs (~7e-3 with an empty hint): float32 rounding of those
+        # terms, ~1e-7, is the floor below the relative bound (seen: 1.1e-7 apart, 1.6e-5 relative).
+        assert abs(float(metrics[f"loss_{name}"]) - float(value)) <= 1e-5 * abs(float(value)) + 3e-7, name
+    assert abs(float(loss) - sum(float(v) for v, _ in separate.values())) <= 1e-5 * abs(float(loss)) + 3e-7
     summed = jax.tree.map(lambda a, b: a + b, separate["pg"][1], separate["sd"][1])
     worst = max(_rel(a, b) for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(summed)))
     assert worst <= 1e-5, worst
