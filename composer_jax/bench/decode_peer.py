@@ -143,7 +143,7 @@ def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     calls = {kind: (lambda fn, w: lambda: fn(x, weights, idx, w))(jax.jit(fn, compiler_options=options), layout[kind])
              for kind, fn in dispatch.BACKENDS.items()}
     ms = {kind: round(1e3 * s, 3) for kind, s in medians(interleaved(calls, repeats)).items()}
-    chosen = dispatch.inference_backend(platform, batch, k, e, moe.dispatch, d * f * 4)
+    chosen = dispatch.inference_backend(platform, batch, k, e, moe.dispatch, w.gate[0].nbytes)
     return {"median_ms": ms, "chosen": chosen, "fastest": min(ms, key=ms.get)}
 
 
