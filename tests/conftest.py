@@ -49,6 +49,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 jax.config.update("jax_enable_compilation_cache", False)
 
 REFERENCE_PACKAGES = ("torch", "transformers", "ray", "mkdocs")
+pytest_plugins = ["tests.compile_report"]   # --compile-report PATH: compiles and their seconds per test
 
 
 def pytest_configure(config):
