@@ -22,7 +22,7 @@ from composer_jax.parallel import DualMesh
 from composer_jax.train.config import load_run_config
 from composer_jax.train.loop import Trainer
 from tests.hf_reference import save_random_hf_model
-from tests.hub_cache import cache_model
+from tests.hub_cache import COMMIT, cache_model
 
 TINY_BPE = CONFIG_DIR / "tokenizers" / "tiny-bpe"
 FAST = ["train.steps=1", "train.batch_size=8", "train.seq_len=64", "train.eval_every=1000", "train.log_every=1",
@@ -210,7 +210,6 @@ def test_a_model_id_opens_and_converts_from_the_hugging_face_cache(hf_dir, hub, 
     from flax import nnx
 
     from composer_jax.model_dirs import load_converted
-    from tests.hub_cache import COMMIT
 
     path, _ = hf_dir
     cache, snapshot = hub
@@ -275,6 +274,46 @@ def test_a_model_ids_weights_are_fetched_only_to_be_read(hf_dir, tmp_path, monke
     assert open_source("org/sharded").weights == snapshot
 
 
+def test_a_model_id_missing_from_the_cache_is_downloaded_when_online(hf_dir, tmp_path, monkeypatch):
+    """Online, the cache is asked first (huggingface_hub's own lookup, local files only), then
+    `snapshot_download` fetches what a source reads into it; a failed download is one line naming the id,
+    the cache and the Hub's reason. No network: the download is a stand-in that lays out what a download
+    leaves, and huggingface_hub's endpoint is a closed local port should anything else try."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from composer_jax.checkpoint.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS
+    from composer_jax.checkpoint.safetensors_io import CheckpointError
+
+    cache, real, calls = tmp_path / "hub", huggingface_hub.snapshot_download, []
+
+    def download(repo_id, *, allow_patterns, local_files_only=False):
+        calls.append((repo_id, local_files_only, allow_patterns))
+        if local_files_only:
+            return real(repo_id, allow_patterns=allow_patterns, local_files_only=True)
+        if repo_id == "org/name":
+            return str(cache_model(cache, repo_id, hf_dir[0]))
+        raise OSError("401 Client Error. (Request ID: x)\n\nRepository Not Found for url: https://huggingface.co/...")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    source = open_source("org/name")
+    weights = list(CONFIG_PATTERNS + WEIGHT_PATTERNS)
+    assert calls == [("org/name", True, weights), ("org/name", False, weights)]
+    assert source.path == cache / "models--org--name" / "snapshots" / COMMIT
+    assert source.model == open_source(hf_dir[0]).model
+    calls.clear()
+    assert open_source("org/name").path == source.path and calls == [("org/name", True, weights)]   # cached now
+    with pytest.raises(CheckpointError) as error:
+        open_source("nobody/nothing")
+    assert str(error.value) == (f"{tmp_path / 'nobody' / 'nothing'} does not exist, and the Hugging Face model "
+                                f"nobody/nothing is not in the cache {cache}, and it does not download: OSError: 401 "
+                                "Client Error. (Request ID: x)")
+
+
 def test_a_model_id_neither_local_nor_cached_offline_is_one_line_naming_it_and_the_cache(tmp_path, capsys,
                                                                                           monkeypatch):
     """HF_HUB_OFFLINE=1 with nothing cached: the run (HF_HUB_CACHE read from the environment), `convert` and
@@ -292,7 +331,8 @@ def test_a_model_id_neither_local_nor_cached_offline_is_one_line_naming_it_and_t
         "train.init_from=nobody/nothing)"]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    for command in (["convert", "nobody/nothing", str(tmp_path / "out")], ["generate", "nobody/nothing", "--prompt", "x"]):
+    for command in (["convert", "nobody/nothing", str(tmp_path / "out")],
+                    ["generate", "nobody/nothing", "--prompt", "x"]):
         assert main(command) == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"composer-jax {command[0]}: error: {missing}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -79,6 +79,6 @@ def _snapshot(repo_id: str, weights: bool, path: Path) -> Path:
     log.info("downloading %s%s into %s", repo_id, "" if weights else " (configs and tokenizer)", constants.HF_HUB_CACHE)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as e:   # noqa: BLE001 - the Hub's errors (HTTP, connection; their classes vary by version): one line
+    except Exception as e:   # noqa: BLE001 - the Hub's errors (HTTP, connection; classes vary by version): one line
         detail = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{where}, and it does not download: {type(e).__name__}: {detail}") from None
