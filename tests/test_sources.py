@@ -231,14 +231,24 @@ def test_a_model_id_opens_and_converts_from_the_hugging_face_cache(hf_dir, hub, 
 
 
 def test_a_local_path_wins_over_a_model_id_of_the_same_spelling(hf_dir, hub, tmp_path, monkeypatch):
+    """`org/name` is the cached model until a directory of that spelling exists; run configs (pretraining's
+    train.init_from, RL's init_from) record the id as written, a path made absolute."""
     from composer_jax.model_dirs import source_spec
+    from composer_jax.rl.run_config import load_rl_config
+
+    def recorded() -> tuple[str, str]:
+        rl = load_rl_config("rl-tiny", ["init_from=org/name", f"run_dir={tmp_path / 'rl'}", "rollout.max_len=64",
+                                        "rollout.feedback_window=64"])
+        return load_run_config(_run_yaml(tmp_path, "org/name")).train.init_from, rl.init_from
 
     monkeypatch.chdir(tmp_path)
     assert source_spec("org/name") == "org/name" and open_source("org/name").path == hub[1]
+    assert recorded() == ("org/name", "org/name")
     (tmp_path / "org").mkdir()
     (tmp_path / "org" / "name").symlink_to(hf_dir[0])
     assert source_spec("org/name") == str(tmp_path / "org" / "name")
     assert open_source("org/name").path == tmp_path / "org" / "name"
+    assert recorded() == (str(tmp_path / "org" / "name"),) * 2
     assert source_spec("") == ""
 
 
