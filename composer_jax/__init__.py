@@ -25,7 +25,8 @@ def __getattr__(name: str):
 
 
 def from_pretrained(path, overrides=(), *, rngs_seed: int = 0, strict: bool = True):
-    """Load a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory (config.json + safetensors, quantized or not).
+    """Load a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory (config.json + safetensors, quantized or not),
+    or a Hugging Face model id (`moonshotai/Kimi-K2.5`: from the local cache, downloaded when missing).
 
     `overrides`: dotted ModelConfig changes applied on top of the HF config, e.g.
     `["dtype=bfloat16", "moe.dispatch=dense", "mtp.num_layers=1"]`. MTP depths absent from the

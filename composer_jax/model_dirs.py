@@ -2,7 +2,9 @@
 architecture, its tokenizer and its chat format:
 
 - a Hugging Face directory (config.json + safetensors: DeepSeek-V3, Kimi K2, Kimi K2.5's `text_config`;
-  bf16, FP8 blocks and INT4 experts dequantized on read), with its tokenizer files;
+  bf16, FP8 blocks and INT4 experts dequantized on read), with its tokenizer files; or a Hugging Face
+  model id (`moonshotai/Kimi-K2.5`): its snapshot in the local Hugging Face cache, downloaded when missing
+  (`checkpoint.hub.local_model`; a local path of the same spelling wins);
 - a converted directory (`composer-jax convert`: model_config.yaml + orbax params; the source's small
   files, tokenizer included, in hf_files/);
 - a run directory of any phase (pretrain, sft, rl): its latest checkpoint, its `tokenizer/` and
@@ -26,6 +28,7 @@ import shutil
 from pathlib import Path
 
 from composer_jax import config as config_lib
+from composer_jax.checkpoint.hub import is_hub_id, local_model
 from composer_jax.checkpoint.safetensors_io import INDEX_FILE, CheckpointError
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.data.chat import format_for
@@ -179,10 +182,12 @@ def _open_run(path: Path) -> ModelSource:
 
 
 def open_source(path: str | Path, need_weights: bool = True) -> ModelSource:
-    """The model source at `path` (a Hugging Face, converted or run directory), configs only; a
+    """The model source at `path` (a Hugging Face, converted or run directory, or a Hugging Face model id:
+    its snapshot in the local cache, downloaded when missing, `checkpoint.hub.local_model`), configs only; a
     CheckpointError naming what is missing otherwise. `need_weights=False` accepts a Hugging Face
-    directory whose index lists weights that are not there (planning from the config and index)."""
-    path = Path(path).expanduser().absolute()
+    directory whose index lists weights that are not there (planning from the config and index), and
+    downloads no weights for an id."""
+    path = local_model(path, weights=need_weights)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if not path.is_dir():
@@ -198,11 +203,18 @@ def open_source(path: str | Path, need_weights: bool = True) -> ModelSource:
                           "model_config.yaml (a converted directory) or checkpoints/ (a run directory)")
 
 
-def source_for(path: str | Path, key: str, hint: str = "") -> ModelSource:
-    """`open_source(path)`, or a ConfigError(`key`) naming what is wrong when it is not a usable source
-    (with `hint`, e.g. how to make it, when it does not exist)."""
+def source_spec(value: str) -> str:
+    """A model source as a run config records it: a local path absolute (`config.shipped_path`), or a
+    Hugging Face model id as written when no local path of that spelling exists ("" stays "")."""
+    path = config_lib.shipped_path(value)
+    return value if is_hub_id(value) and not Path(path).exists() else path
+
+
+def source_for(path: str | Path, key: str, hint: str = "", need_weights: bool = True) -> ModelSource:
+    """`open_source(path, need_weights)`, or a ConfigError(`key`) naming what is wrong when it is not a
+    usable source (with `hint`, e.g. how to make it, when it does not exist)."""
     try:
-        return open_source(path)
+        return open_source(path, need_weights)
     except (CheckpointError, TokenizerError, OSError) as e:
         message = str(e).splitlines()[0]
         missing = not Path(path).expanduser().exists()
@@ -210,8 +222,9 @@ def source_for(path: str | Path, key: str, hint: str = "") -> ModelSource:
 
 
 def source_model(path: str | Path, key: str, hint: str = "") -> tuple[dict, ModelSource]:
-    """(the source's model config as a raw dict, the source) for config loading (see `source_for`)."""
-    source = source_for(path, key, hint)
+    """(the source's model config as a raw dict, the source) for config loading (see `source_for`): its
+    config and index only (a Hugging Face id's weights download when a run loads them)."""
+    source = source_for(path, key, hint, need_weights=False)
     return config_lib.to_dict(source.model), source
 
 

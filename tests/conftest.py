@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests never reach the Hugging Face Hub: a model id resolves from a test's own cache or fails (read by
+# huggingface_hub when imported, and inherited by the CLI runs tests start).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import tempfile  # noqa: E402
 

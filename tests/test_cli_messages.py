@@ -70,15 +70,18 @@ def test_version_and_subcommand_usage(capsys):
 
 
 def test_a_failed_start_prints_one_line_and_leaves_nothing_behind(tmp_path):
-    """`sft` from a directory where its init_from run does not exist (relative paths): one line, status 2,
-    no traceback at exit, and no directory created (neither the run's nor init_from's)."""
+    """`sft` from a directory where its init_from run does not exist (relative paths, spelled as a Hugging
+    Face model id, not cached either): one line, status 2, no traceback at exit, and no directory created
+    (neither the run's nor init_from's)."""
+    cache = "/nonexistent/hf-cache"
     result = subprocess.run([sys.executable, "-m", "composer_jax.cli", "sft", "train.init_from=runs/long-context-tiny",
                              "run_dir=runs/sft-tiny"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+                            env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "HF_HUB_CACHE": cache})
     assert result.returncode == 2
     assert _one_line(result.stderr) == (
         f"composer-jax sft: error: config key 'train.init_from': {tmp_path / 'runs' / 'long-context-tiny'} does not "
-        "exist (command-line override train.init_from=runs/long-context-tiny)")
+        f"exist, and the Hugging Face model runs/long-context-tiny is not in the cache {cache} (offline: "
+        "HF_HUB_OFFLINE=1) (command-line override train.init_from=runs/long-context-tiny)")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -3,6 +3,7 @@ converted or run directory, takes its architecture, tokenizer and chat format, a
 their shards; bad sources are one-line errors that name the culprit and write nothing."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from composer_jax.parallel import DualMesh
 from composer_jax.train.config import load_run_config
 from composer_jax.train.loop import Trainer
 from tests.hf_reference import save_random_hf_model
+from tests.hub_cache import COMMIT, cache_model
 
 TINY_BPE = CONFIG_DIR / "tokenizers" / "tiny-bpe"
 FAST = ["train.steps=1", "train.batch_size=8", "train.seq_len=64", "train.eval_every=1000", "train.log_every=1",
@@ -39,6 +41,25 @@ def hf_dir(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def hub_cache(hf_dir, tmp_path_factory):
+    """(a Hugging Face cache holding hf_dir's files as the model org/name, its snapshot directory)."""
+    cache = tmp_path_factory.mktemp("hub")
+    return cache, cache_model(cache, "org/name", hf_dir[0])
+
+
+@pytest.fixture
+def hub(hub_cache, monkeypatch):
+    """hub_cache as huggingface_hub's cache in this process (HF_HUB_CACHE is read when it is imported) and
+    in the CLI runs it starts; offline, as every test is (conftest.py)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache[0]))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache[0]))
+    assert constants.HF_HUB_OFFLINE
+    return hub_cache
+
+
 def _run_yaml(tmp_path, source, **sections) -> str:
     """A run config that names no model: the architecture is the source's."""
     path = tmp_path / "run.yaml"
@@ -47,8 +68,9 @@ def _run_yaml(tmp_path, source, **sections) -> str:
     return str(path)
 
 
-def test_pretraining_from_a_transformers_checkpoint_starts_at_its_loss(hf_dir, tmp_path):
-    """The first step's loss equals transformers' cross-entropy on the same batch (float32, 1e-5)."""
+def test_pretraining_from_a_transformers_checkpoint_starts_at_its_loss(hf_dir, hub, tmp_path):
+    """The first step's loss equals transformers' cross-entropy on the same batch (float32, 1e-5); named by
+    its Hugging Face id (org/name, from the cache) the model starts at the same loss."""
     path, hf = hf_dir
     cfg = load_run_config(_run_yaml(tmp_path, path), FAST)
     assert cfg.model.vocab_size == 4096 and cfg.model.mtp.num_layers == 0 and cfg.data.tokenizer == ""
@@ -69,6 +91,18 @@ def test_pretraining_from_a_transformers_checkpoint_starts_at_its_loss(hf_dir, t
     assert float(metrics["loss"]) == pytest.approx(total / count, rel=1e-5)
     assert trainer.batches.tokenizer.name == str(path / "tokenizer.json")   # the source's tokenizer
     trainer.checkpoints.close()
+
+    (tmp_path / "id").mkdir()
+    by_id = load_run_config(_run_yaml(tmp_path / "id", "org/name"), FAST)
+    assert by_id.train.init_from == "org/name" and by_id.model == cfg.model    # recorded as written
+    twin = Trainer(by_id)
+    assert twin.source.path == hub[1] and twin.batches.tokenizer.name == str(hub[1] / "tokenizer.json")
+    twin_batch = twin.batches.next()
+    jax.tree.map(np.testing.assert_array_equal, twin_batch, batch)
+    with twin.dual:   # the step compiled above (the same layout), on the state loaded from the cache
+        _, twin_metrics = trainer.step_fn(twin.state, twin_batch)
+    assert float(twin_metrics["loss"]) == float(metrics["loss"])
+    twin.checkpoints.close()
 
 
 @pytest.mark.parametrize("chunk_bytes", [64 << 20, 0])   # 0: every stacked leaf one layer at a time
@@ -139,6 +173,179 @@ def test_a_source_that_is_not_a_model_is_one_line_and_writes_nothing(tmp_path, m
         f"composer-jax pretrain: error: config key 'train.init_from': {message.format(src=src)} (command-line "
         f"override train.init_from={src})"]
     assert not (tmp_path / "out").exists()
+
+
+def test_hub_ids_and_the_files_fetched_follow_huggingface_hub():
+    """`is_hub_id` agrees with huggingface_hub's own check of ORG/NAME ids; the files fetched for a model
+    source (chosen by huggingface_hub's own pattern filter) are those model_dirs reads: no weights but a
+    lone model.safetensors for its config, every safetensors file for its weights."""
+    from huggingface_hub.utils import HFValidationError, filter_repo_objects, validate_repo_id
+
+    from composer_jax.checkpoint.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS, is_hub_id
+    from composer_jax.checkpoint.safetensors_io import INDEX_FILE
+    from composer_jax.model_dirs import CHAT_FILE, TOKENIZER_FILES, TOKENIZER_SIDE_FILES
+
+    def valid(spec: str) -> bool:
+        try:
+            validate_repo_id(spec)
+        except HFValidationError:
+            return False
+        return spec.count("/") == 1
+    specs = ["moonshotai/Kimi-K2.5", "deepseek-ai/DeepSeek-V3", "runs/sft-tiny", "_a/c.d", "x" * 96 + "/y",
+             "gpt2", "/models/k25", "./org/name", "~/org/name", "a/b/c", "org--x/name", "org/na..me", "org/name.git",
+             "org/na me", ".org/name", "org-/name", "org/", "x" * 97 + "/y"]
+    assert [is_hub_id(s) for s in specs] == [valid(s) for s in specs] == [True] * 5 + [False] * 13
+    read = ["config.json", "generation_config.json", INDEX_FILE, CHAT_FILE, *TOKENIZER_FILES, *TOKENIZER_SIDE_FILES,
+            "tokenization_kimi.py", "model.safetensors"]
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    files = read + shards + ["pytorch_model.bin", "README.md", "figures/demo.png", "modeling_deepseek.py"]
+    assert list(filter_repo_objects(files, allow_patterns=list(CONFIG_PATTERNS))) == read
+    assert list(filter_repo_objects(files, allow_patterns=list(CONFIG_PATTERNS + WEIGHT_PATTERNS))) == read + shards
+
+
+def test_a_model_id_opens_and_converts_from_the_hugging_face_cache(hf_dir, hub, tmp_path):
+    """The test cache is huggingface_hub's own layout (it finds the files and scans one clean revision);
+    `org/name` opens as its snapshot, `from_pretrained` and `convert` read it as they read the directory."""
+    import huggingface_hub
+    from flax import nnx
+
+    from composer_jax.model_dirs import load_converted
+
+    path, _ = hf_dir
+    cache, snapshot = hub
+    assert huggingface_hub.try_to_load_from_cache("org/name", "config.json") == str(snapshot / "config.json")
+    scan = huggingface_hub.scan_cache_dir()
+    assert scan.warnings == [] and [(r.repo_id, r.nb_files, [v.commit_hash for v in r.revisions], set(r.refs))
+                                    for r in scan.repos] == [("org/name", 5, [COMMIT], {"main"})]
+    source = open_source("org/name")
+    assert (source.path, source.kind, source.model) == (snapshot, "hf", open_source(path).model)
+    reference = jax.tree.leaves(nnx.state(from_pretrained(path), nnx.Param))
+    for ours, theirs in zip(jax.tree.leaves(nnx.state(from_pretrained("org/name"), nnx.Param)), reference, strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert main(["convert", "org/name", str(tmp_path / "out"), "--quiet"]) == 0
+    for ours, theirs in zip(jax.tree.leaves(nnx.state(load_converted(tmp_path / "out"), nnx.Param)), reference,
+                            strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    copied = tmp_path / "out" / "hf_files" / "tokenizer.json"
+    assert copied.is_file() and not copied.is_symlink()   # the file, not a link into the cache
+
+
+def test_a_local_path_wins_over_a_model_id_of_the_same_spelling(hf_dir, hub, tmp_path, monkeypatch):
+    """`org/name` is the cached model until a directory of that spelling exists; run configs (pretraining's
+    train.init_from, RL's init_from) record the id as written, a path made absolute."""
+    from composer_jax.model_dirs import source_spec
+    from composer_jax.rl.run_config import load_rl_config
+
+    def recorded() -> tuple[str, str]:
+        rl = load_rl_config("rl-tiny", ["init_from=org/name", f"run_dir={tmp_path / 'rl'}", "rollout.max_len=64",
+                                        "rollout.feedback_window=64"])
+        return load_run_config(_run_yaml(tmp_path, "org/name")).train.init_from, rl.init_from
+
+    monkeypatch.chdir(tmp_path)
+    assert source_spec("org/name") == "org/name" and open_source("org/name").path == hub[1]
+    assert recorded() == ("org/name", "org/name")
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").symlink_to(hf_dir[0])
+    assert source_spec("org/name") == str(tmp_path / "org" / "name")
+    assert open_source("org/name").path == tmp_path / "org" / "name"
+    assert recorded() == (str(tmp_path / "org" / "name"),) * 2
+    assert source_spec("") == ""
+
+
+def test_a_model_ids_weights_are_fetched_only_to_be_read(hf_dir, tmp_path, monkeypatch):
+    """A cached snapshot with configs and index but no weights (what loading a run config or `plan` fetches)
+    opens for its architecture; opened for its weights it is incomplete (offline: an error naming the id
+    and the cache) until the weight file the index names is there."""
+    from huggingface_hub import constants
+    from safetensors import safe_open
+
+    from composer_jax.checkpoint.safetensors_io import CheckpointError
+
+    monkeypatch.chdir(tmp_path)
+    path, cache, shard = hf_dir[0], tmp_path / "hub", "model-00001-of-00001.safetensors"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copyfile(path / name, src / name)
+    with safe_open(path / "model.safetensors", "np") as f:
+        index = {"weight_map": {key: shard for key in f.keys()}}  # noqa: SIM118 - safe_open is no mapping
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    snapshot = cache_model(cache, "org/sharded", src)
+    source = open_source("org/sharded", need_weights=False)
+    assert source.path == snapshot and source.model == open_source(path).model
+    assert load_run_config(_run_yaml(tmp_path, "org/sharded")).train.init_from == "org/sharded"
+    with pytest.raises(CheckpointError) as error:
+        open_source("org/sharded")
+    assert str(error.value) == (f"{tmp_path / 'org' / 'sharded'} does not exist, and the Hugging Face model "
+                                f"org/sharded has no complete copy in the cache {cache} (offline: HF_HUB_OFFLINE=1)")
+    shutil.copyfile(path / "model.safetensors", src / shard)
+    cache_model(cache, "org/sharded", src, names=[shard])
+    assert open_source("org/sharded").weights == snapshot
+
+
+def test_a_model_id_missing_from_the_cache_is_downloaded_when_online(hf_dir, tmp_path, monkeypatch):
+    """Online, the cache is asked first (huggingface_hub's own lookup, local files only), then
+    `snapshot_download` fetches what a source reads into it; a failed download is one line naming the id,
+    the cache and the Hub's reason. No network: the download is a stand-in that lays out what a download
+    leaves, and huggingface_hub's endpoint is a closed local port should anything else try."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from composer_jax.checkpoint.hub import CONFIG_PATTERNS, WEIGHT_PATTERNS
+    from composer_jax.checkpoint.safetensors_io import CheckpointError
+
+    cache, real, calls = tmp_path / "hub", huggingface_hub.snapshot_download, []
+
+    def download(repo_id, *, allow_patterns, local_files_only=False):
+        calls.append((repo_id, local_files_only, allow_patterns))
+        if local_files_only:
+            return real(repo_id, allow_patterns=allow_patterns, local_files_only=True)
+        if repo_id == "org/name":
+            return str(cache_model(cache, repo_id, hf_dir[0]))
+        raise OSError("401 Client Error. (Request ID: x)\n\nRepository Not Found for url: https://huggingface.co/...")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    source = open_source("org/name")
+    weights = list(CONFIG_PATTERNS + WEIGHT_PATTERNS)
+    assert calls == [("org/name", True, weights), ("org/name", False, weights)]
+    assert source.path == cache / "models--org--name" / "snapshots" / COMMIT
+    assert source.model == open_source(hf_dir[0]).model
+    calls.clear()
+    assert open_source("org/name").path == source.path and calls == [("org/name", True, weights)]   # cached now
+    with pytest.raises(CheckpointError) as error:
+        open_source("nobody/nothing")
+    assert str(error.value) == (f"{tmp_path / 'nobody' / 'nothing'} does not exist, and the Hugging Face model "
+                                f"nobody/nothing is not in the cache {cache}, and it does not download: OSError: 401 "
+                                "Client Error. (Request ID: x)")
+
+
+def test_a_model_id_neither_local_nor_cached_offline_is_one_line_naming_it_and_the_cache(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """HF_HUB_OFFLINE=1 with nothing cached: the run (HF_HUB_CACHE read from the environment), `convert` and
+    `generate` say in one line that neither the path nor the cached model is there, and write nothing."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    missing = (f"{tmp_path / 'nobody' / 'nothing'} does not exist, and the Hugging Face model nobody/nothing is not "
+               f"in the cache {cache} (offline: HF_HUB_OFFLINE=1)")
+    result = subprocess.run([sys.executable, "-m", "composer_jax.cli", "pretrain", "pretrain-tiny",
+                             "train.init_from=nobody/nothing", f"run_dir={tmp_path / 'out'}"], cwd=tmp_path,
+                            env={**os.environ, "HF_HUB_CACHE": str(cache)}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"composer-jax pretrain: error: config key 'train.init_from': {missing} (command-line override "
+        "train.init_from=nobody/nothing)"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    for command in (["convert", "nobody/nothing", str(tmp_path / "out")],
+                    ["generate", "nobody/nothing", "--prompt", "x"]):
+        assert main(command) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"composer-jax {command[0]}: error: {missing}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_a_tokenizer_or_format_the_model_cannot_take_and_another_architecture_are_errors(hf_dir, tmp_path):

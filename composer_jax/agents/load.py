@@ -16,7 +16,7 @@ def load_agent(spec: str, *, temperature: float | None = None, overrides: Sequen
     """The agent a MODEL argument names; `temperature` None: the agent's default.
 
     `scripted:PATH`: a ScriptedAgent (it does not sample: a temperature or settings are an error).
-    Anything else is a model directory (a Hugging Face directory, a converted directory or a training
+    Anything else is a model (a Hugging Face directory or model id, a converted directory or a training
     run) sampled by the inference engine: an EngineAgent, configured by `overrides` (`key=value`:
     EngineAgentConfig fields, `model.KEY=VALUE` model config changes). Call its `close()` when done."""
     if spec.startswith(SCRIPTED):

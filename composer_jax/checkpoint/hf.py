@@ -24,6 +24,7 @@ from composer_jax import config as config_lib
 from composer_jax.checkpoint.hf_config import config_from_hf, read_hf_config
 from composer_jax.checkpoint.hf_layout import (SIDE_PREFIXES, Tensor, hf_rows_to_ours, mtp_copies,
                                                rows_per_index, tensor_plan)
+from composer_jax.checkpoint.hub import local_model
 from composer_jax.checkpoint.quant import QuantConfig, TensorReader
 from composer_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
 from composer_jax.config import ModelConfig
@@ -79,8 +80,9 @@ def _count_mtp_layers(keys, prefix: str, num_layers: int) -> int:
 
 
 def open_hf(path: str | Path, overrides=()) -> HFSource:
-    """Read config.json and index the tensors of a HF directory; `overrides` change the ModelConfig."""
-    path = Path(path)
+    """Read config.json and index the tensors of a HF directory, or of a Hugging Face model id's snapshot
+    (`hub.local_model`: the local cache, else a download); `overrides` change the ModelConfig."""
+    path = local_model(path)
     whole, text, prefix = read_hf_config(path)
     quant = QuantConfig.from_hf(text, str(path / "config.json"))
     reader = TensorReader(SafetensorsDir(path), quant)

@@ -257,9 +257,10 @@ def _add_eval(sub) -> None:
                    "mean reward, tokens and turns per solved attempt, tool-error rate and lint "
                    "findings added, with bootstrap confidence intervals over tasks. Resumable: "
                    "the same command again skips the attempts already recorded.")
-    r.add_argument("model", metavar="MODEL", help="the agent: a Hugging Face directory, a converted directory or a "
-                                                  "training run, sampled by the inference engine; or scripted:PATH "
-                                                  "(a JSON file of per-task tool-call scripts)")
+    r.add_argument("model", metavar="MODEL", help="the agent: a Hugging Face directory or model id (org/name), a "
+                                                  "converted directory or a training run, sampled by the inference "
+                                                  "engine; or scripted:PATH (a JSON file of per-task tool-call "
+                                                  "scripts)")
     r.add_argument("tasks_dir", metavar="TASKS_DIR", help="a directory of task directories (or one task directory)")
     r.add_argument("overrides", nargs="*", metavar="key=value",
                    help="engine agent settings: temperature, top_p, top_k, max_new_tokens (per turn), max_len "

@@ -135,7 +135,8 @@ def _add_convert(sub) -> None:
         sub, "convert", "Hugging Face checkpoint -> orbax (bf16/fp16/fp32, FP8 blocks, K2.5 INT4)",
         "Stream a Hugging Face DeepSeek-V3 / Kimi K2 / K2.5 directory into a converted model directory DST (orbax "
         "params, model_config.yaml), dequantizing as it goes. Resumable: re-run the same command after an "
-        "interruption.", "Hugging Face model directory (config.json + *.safetensors)",
+        "interruption.", "Hugging Face model directory (config.json + *.safetensors) or model id (org/name: the local "
+        "Hugging Face cache, downloaded when missing)",
         "model config overrides, e.g. param_dtype=float32 or mtp.num_layers=0")
     p.add_argument("--devices", type=positive_int, default=None,
                    help="chunk for a target mesh of this many devices (with --mesh)")
@@ -254,7 +255,8 @@ def _add_generate(sub) -> None:
                                    "key=value: max_new_tokens, temperature (0: greedy), top_p, top_k, seed, "
                                    "speculative, stop, max_slots, max_len, steps_per_call; model.KEY=VALUE "
                                    "overrides the model config (e.g. model.dtype=bfloat16).")
-    p.add_argument("model", help="a Hugging Face directory, a converted directory or a training run directory")
+    p.add_argument("model", help="a Hugging Face directory or model id (org/name: the local Hugging Face cache, "
+                                 "downloaded when missing), a converted directory or a training run directory")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", default=None, help="one text prompt (needs the model's tokenizer)")
     source.add_argument("--prompts", default=None, metavar="FILE.jsonl",

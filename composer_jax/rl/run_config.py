@@ -18,7 +18,7 @@ from composer_jax.envs.rewards import RewardConfig
 from composer_jax.envs.tools import TOOL_NAMES
 from composer_jax.envs.toy import FAMILIES
 from composer_jax.infer.config import Speculative
-from composer_jax.model_dirs import Chat, ModelSource, run_chat, run_chat_setup, source_for
+from composer_jax.model_dirs import Chat, ModelSource, run_chat, run_chat_setup, source_for, source_spec
 from composer_jax.rl.config import RLConfig
 from composer_jax.rl.sampler import SamplerConfig
 from composer_jax.rl.task_pool import PoolConfig
@@ -188,8 +188,9 @@ class RLRunConfig:
     monitor: MonitorConfig = MonitorConfig()
     eval: EvalSettings = EvalSettings()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    # the policy RL starts from: a Hugging Face, converted or run directory (an SFT run's latest checkpoint);
-    # also the KL reference and the fixed self-distillation teacher. "": a fresh model of `model`
+    # the policy RL starts from: a Hugging Face, converted or run directory (an SFT run's latest checkpoint) or
+    # a Hugging Face model id (org/name, as train.init_from); also the KL reference and the fixed
+    # self-distillation teacher. "": a fresh model of `model`
     init_from: str = ""
     tokenizer: str = ""             # "byte", a tokenizer.json / tiktoken file; "": init_from's, else byte
     seed: int = 0                   # model initialisation and rollout sampling
@@ -276,7 +277,7 @@ def load_rl_config(path_or_name: str | Path, overrides=()) -> RLRunConfig:
         _check_writable(exchange, must_exist=bool(rollout.exchange_dir))
         rollout = dataclasses.replace(rollout, exchange_dir=exchange)
     return dataclasses.replace(cfg, run_dir=absolute(cfg.run_dir), env=env, rollout=rollout,
-                               init_from=absolute(cfg.init_from), tokenizer=shipped_path(cfg.tokenizer))
+                               init_from=source_spec(cfg.init_from), tokenizer=shipped_path(cfg.tokenizer))
 
 
 def _check_writable(directory: str, must_exist: bool) -> None:

@@ -90,8 +90,9 @@ class TrainConfig:
     num_devices: int = 0              # devices to use; 0 = all
     cpu_devices: int = 8              # fake host devices for CPU runs (set before JAX starts)
     seed: int = 0                     # model initialisation
-    # the model the run starts from: a Hugging Face, converted or run directory (its latest checkpoint); the
-    # run takes its architecture, tokenizer and chat format
+    # the model the run starts from: a Hugging Face, converted or run directory (its latest checkpoint), or a
+    # Hugging Face model id (org/name: from the local Hugging Face cache, downloaded when missing; a local path
+    # of that spelling wins); the run takes its architecture, tokenizer and chat format
     init_from: str = ""
 
     def __post_init__(self):
@@ -157,12 +158,15 @@ def to_dict(cfg: RunConfig) -> dict:
 
 def resolve_run_paths(cfg: RunConfig) -> RunConfig:
     """`run_dir`, `train.init_from`, `data.path` and `data.tokenizer` as absolute paths (`~` expanded,
-    relative ones against the current directory or shipped with the configs), so a resolved config means
-    the same wherever it is read."""
+    relative ones against the current directory or shipped with the configs; `train.init_from` a Hugging
+    Face model id as written, when no local path is spelled so), so a resolved config means the same
+    wherever it is read."""
+    from composer_jax.model_dirs import source_spec   # numpy: not for every config read
+
     data = dataclasses.replace(cfg.data, tokenizer=shipped_path(cfg.data.tokenizer),
                                path=cfg.data.path if cfg.data.path == "stdlib" else shipped_path(cfg.data.path))
     return dataclasses.replace(cfg, run_dir=shipped_path(cfg.run_dir), data=data,
-                               train=dataclasses.replace(cfg.train, init_from=shipped_path(cfg.train.init_from)))
+                               train=dataclasses.replace(cfg.train, init_from=source_spec(cfg.train.init_from)))
 
 
 RUN_SECTIONS = ("model", "train", "data", "rl", "rollout", "env", "init_from", "run_dir")
