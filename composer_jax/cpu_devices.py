@@ -25,14 +25,14 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def fixed_device_count(environ: Mapping[str, str] = os.environ) -> tuple[str, int] | None:
-    """(the setting, its count) of a fake CPU device count the environment already fixes: JAX_NUM_CPU_DEVICES
-    (jax's own, which wins over the flag) or the flag in XLA_FLAGS; None when neither does."""
+def fixed_device_count(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The fake CPU device count the environment already fixes: JAX_NUM_CPU_DEVICES (jax's own, which wins
+    over the flag) or the flag in XLA_FLAGS; None when neither does."""
     jax_count = int(environ.get("JAX_NUM_CPU_DEVICES", "-1"))
     if jax_count >= 0:
-        return "JAX_NUM_CPU_DEVICES", jax_count
+        return jax_count
     user_count = re.search(rf"{DEVICE_COUNT_FLAG}=(\d+)", environ.get("XLA_FLAGS", ""))
-    return (f"XLA_FLAGS' {DEVICE_COUNT_FLAG}", int(user_count[1])) if user_count else None
+    return int(user_count[1]) if user_count else None
 
 
 def use_cpu_devices(count: int, environ: MutableMapping[str, str] = os.environ) -> None:
@@ -49,7 +49,7 @@ def use_cpu_devices(count: int, environ: MutableMapping[str, str] = os.environ) 
     fixed = fixed_device_count(environ)
     if fixed is None:
         environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {DEVICE_COUNT_FLAG}={count}".strip()
-    elif fixed[1] != count and not _override_count(count):
+    elif fixed != count and not _override_count(count):
         return   # JAX's backend has started: its devices are what they are
     platforms = environ.get("JAX_PLATFORMS", "")
     on_cpu = not platforms or "cpu" in platforms.lower().split(",")

@@ -70,7 +70,10 @@ def _fill(cfg: MeshConfig, grid: tuple[str, ...], num_devices: int, experts: int
     """One grid's sizes with its -1 filled (module docstring of MeshConfig); ConfigError naming a layout
     that works when the given sizes cannot."""
     given = {a: getattr(cfg, a) for a in grid}
-    hint = dense_hint(cfg, num_devices) if grid == DENSE_AXES else expert_hint(cfg, num_devices, experts)
+
+    def hint() -> str:
+        return dense_hint(cfg, num_devices) if grid == DENSE_AXES else expert_hint(cfg, num_devices, experts)
+
     if given.get("ep") == -1 and given.get("ereplica") == -1 and num_devices % given["efsdp"] == 0:
         rest = num_devices // given["efsdp"]
         given["ep"] = largest_ep(rest, experts)
@@ -80,12 +83,12 @@ def _fill(cfg: MeshConfig, grid: tuple[str, ...], num_devices: int, experts: int
         if size == -1:
             if num_devices % known:
                 raise ConfigError(axis, f"cannot fill: the other {grid} sizes ({known}) do not divide the "
-                                        f"{num_devices} devices: try {hint}")
+                                        f"{num_devices} devices: try {hint()}")
             given[axis] = num_devices // known
     product = math.prod(given.values())
     if product != num_devices:
         layout = " x ".join(f"{a}={given[a]}" for a in grid)
-        raise ConfigError(grid[0], f"{layout} = {product} devices, but there are {num_devices}: try {hint}")
+        raise ConfigError(grid[0], f"{layout} = {product} devices, but there are {num_devices}: try {hint()}")
     return given
 
 
