@@ -184,3 +184,19 @@ def test_a_device_count_in_xla_flags_gives_way_to_the_runs_own(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == ["composer-jax rl: error: config key 'replica': replica=1 x fsdp=5 x "
                                                 "cp=1 = 5 devices, but there are 8: try mesh.fsdp=8"]
+
+
+@pytest.mark.slow
+def test_the_two_best_layouts_of_the_proxy_plan_within_15_percent_of_their_compiled_steps():
+    """`plan proxy-moe --search` at 3 layers (1 dense, 2 MoE; no MTP depth; 16 rows of 256 tokens, so that the
+    compiles fit this machine and its time): the two best layouts' planned per-device memory is within 15% of
+    their compiled training steps' on 8 CPU devices (arguments + outputs - aliased + temporaries)."""
+    cfg = load_plan_config("proxy-moe", ["model.num_layers=3", "model.mtp.num_layers=0", "train.seq_len=256",
+                                         "train.batch_size=16"])
+    for candidate in search(cfg, 8, PRESETS["h200"], platform="cpu")[:2]:
+        run = with_settings(cfg, candidate.settings)
+        memory = step_lib.lower_train_step(run, make_mesh(run)).compile().memory_analysis()
+        compiled = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+                    + memory.temp_size_in_bytes)
+        print(f"{candidate.overrides()}: plan {candidate.plan.total / 1e9:.3f} GB, compiled {compiled / 1e9:.3f} GB")
+        assert candidate.fits and candidate.plan.total == pytest.approx(compiled, rel=0.15)

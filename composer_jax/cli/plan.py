@@ -8,7 +8,6 @@ from composer_jax.cli.common import non_negative_int, positive_int, subcommand
 from composer_jax.config import ConfigError, MeshConfig
 
 
-
 def parse_layout(text: str) -> MeshConfig:
     """'fsdp=64,cp=2,ep=128' -> MeshConfig (other axes at their defaults)."""
     from composer_jax.config import from_dict
@@ -85,16 +84,21 @@ def _hardware(args):
 def _run_plan(args) -> int:
     from composer_jax.config import command_line_overrides
     from composer_jax.plan.report import fits, load_plan_config, plan_report
-    from composer_jax.plan.search import SEARCH_KEYS, best_fitting, search, with_settings
+    from composer_jax.plan.search import (
+        SEARCH_KEYS,
+        best_fitting,
+        search,
+        with_settings,
+    )
     from composer_jax.train.config import is_run_config
 
     cfg = load_plan_config(args.config, args.overrides)
     hw = _hardware(args)
     options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
     fixed = set(command_line_overrides(args.overrides)) & set(SEARCH_KEYS)
-    chosen = None
+    chosen, found = None, []
     if not is_run_config(args.config):   # a model config has no run settings: the search picks those not given
-        chosen, _ = best_fitting(cfg, args.devices, hw, fixed, **options)
+        chosen, found = best_fitting(cfg, args.devices, hw, fixed, **options)
         cfg = cfg if chosen is None else with_settings(cfg, chosen.settings)
     report = plan_report(cfg, args.devices, rl_slots=args.rl_slots, rl_window=args.rl_window,
                          devices_per_host=args.devices_per_host, seq_lens=args.seq_lens or (),
@@ -106,7 +110,7 @@ def _run_plan(args) -> int:
     print()
     print(plan_table([p for p in (report.train, report.rl) if p is not None], hw.hbm_gb))
     _print_extras(report, hw.hbm_gb)
-    found = search(cfg, args.devices, hw, fixed=fixed, **options) if args.search else []
+    found = (found or search(cfg, args.devices, hw, fixed=fixed, **options)) if args.search else []
     if found:
         _print_search(found, args.top, hw)
     if not fits(report.train.total, hw.hbm_gb):

@@ -52,8 +52,8 @@ def _grids(cfg: RunConfig, devices: int, fixed: set[str]) -> Iterator[dict[str, 
             for efsdp in EFSDP:
                 if (devices // ep) % efsdp or cfg.model.hidden_size % efsdp:
                     continue
-                free = dict(replica=replica, fsdp=devices // (replica * cp), cp=cp, ereplica=devices // (ep * efsdp),
-                            efsdp=efsdp, ep=ep)
+                free = {"replica": replica, "fsdp": devices // (replica * cp), "cp": cp,
+                        "ereplica": devices // (ep * efsdp), "efsdp": efsdp, "ep": ep}
                 mesh = {a: getattr(cfg.mesh, a) if f"mesh.{a}" in fixed else v for a, v in free.items()}
                 try:
                     sizes = resolve_sizes(MeshConfig(**mesh), devices, experts)
