@@ -187,23 +187,27 @@ class MeshConfig:
     `cp`; activations batch-sharded on `(replica, fsdp)`, sequence-sharded on `cp`.
     Expert mesh `(ereplica, efsdp, ep)`: routed-expert weights sharded on `ep` (experts) and `efsdp`
     (their embed dim). Each grid's sizes multiply to the device count; one size per grid may be -1
-    (the rest of the devices).
+    (the rest of the devices), except that `ep` and `ereplica` may both be: then `ep` is the largest
+    size dividing both the routed experts and the devices `efsdp` leaves, and `ereplica` the rest.
     """
 
     replica: int = 1                # dense mesh: replicas of the sharded weights (HSDP; across hosts)
     fsdp: int = -1                  # dense mesh: weight and batch shards
     cp: int = 1                     # dense mesh: context parallelism (sequence shards)
-    ereplica: int = 1               # expert mesh: replicas of the routed experts
+    ereplica: int = -1              # expert mesh: replicas of the routed experts (-1: the devices ep leaves)
     efsdp: int = 1                  # expert mesh: shards of each expert's embed dim
-    ep: int = -1                    # expert mesh: expert parallelism (experts per device = experts / ep)
+    # expert mesh: expert parallelism (experts per device = experts / ep); -1: the largest size that divides
+    # the routed experts and the devices (with ereplica=-1), else the rest of the devices
+    ep: int = -1
 
     def __post_init__(self):
         for grid in (("replica", "fsdp", "cp"), ("ereplica", "efsdp", "ep")):
-            sizes = [getattr(self, a) for a in grid]
-            for axis, size in zip(grid, sizes):
+            fills = [a for a in grid if getattr(self, a) == -1]
+            for axis in grid:
+                size = getattr(self, axis)
                 _check(size == -1 or size > 0, axis, f"must be a positive size or -1 (fill), got {size}")
-            if sizes.count(-1) > 1:
-                raise ConfigError(grid[sizes.index(-1)], f"at most one of {grid} may be -1")
+            if len(fills) > 1 and set(fills) != {"ereplica", "ep"}:
+                raise ConfigError(fills[0], f"at most one of {grid} may be -1 (only ereplica and ep both)")
 
 
 def check_fits_model(key: str, length: int, model: ModelConfig) -> None:

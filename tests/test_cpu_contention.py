@@ -102,14 +102,11 @@ def test_fake_devices_get_two_pool_threads_each(two_cores):
     assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8", "PJRT_NPROC": "16"}
 
 
-def test_the_users_device_count_wins_and_sizes_the_pool(two_cores):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    use_cpu_devices(8, env)
-    assert env == {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-                   "PJRT_NPROC": "8"}
-    env = {"JAX_NUM_CPU_DEVICES": "6"}
-    use_cpu_devices(8, env)
-    assert env["PJRT_NPROC"] == "12"
+def test_a_count_the_environment_fixes_is_read_from_either_setting():
+    """(A run's own count then wins: tests/test_layouts.py checks that in a process of its own.)"""
+    assert cpu_devices.fixed_device_count({"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) == 4
+    assert cpu_devices.fixed_device_count({"JAX_NUM_CPU_DEVICES": "6", "XLA_FLAGS": "--x=1"}) == 6
+    assert cpu_devices.fixed_device_count({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}) is None
 
 
 @pytest.mark.parametrize("env", [{"PJRT_NPROC": "3"}, {"NPROC": "2"}, {"JAX_PLATFORMS": "cuda"},

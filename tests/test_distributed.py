@@ -264,7 +264,8 @@ def _rl_engine(run_dir: Path, overrides) -> subprocess.Popen:
     """The rollout engine (tests/rl_engine_process.py: parity tasks) for the learner run in `run_dir`, on 2
     devices of its own."""
     env = {**_env(), "XLA_FLAGS": f"{_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()}
-    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides, f"run_dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides, f"run_dir={run_dir}",
+                             "cpu_devices=2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

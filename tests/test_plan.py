@@ -214,8 +214,9 @@ def test_kimi_verdicts_per_layout_and_sequence_length(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--layout", "fsdp=x"], "config key '--layout': 'fsdp=x': expected axis=size pairs such as fsdp=64,cp=2,ep=128"),
-    (["mesh.ep=3"], "config key 'ereplica': ereplica=1 x efsdp=1 x ep=3 = 3 devices, but there are 8"),
-    (["mesh.fsdp=3"], "config key 'replica': replica=1 x fsdp=3 x cp=1 = 3 devices, but there are 8"),
+    (["mesh.ep=3"], "config key 'ereplica': cannot fill: the other ('ereplica', 'efsdp', 'ep') sizes (3) do not divide "
+                    "the 8 devices: try mesh.ep=8 mesh.ereplica=1"),
+    (["mesh.fsdp=3"], "config key 'replica': replica=1 x fsdp=3 x cp=1 = 3 devices, but there are 8: try mesh.fsdp=8"),
     (["model.bogus=1"], ("config key 'model.bogus': unknown key for ModelConfig; valid keys: vocab_size, hidden_size, "
                          "num_layers, num_dense_layers, intermediate_size, mla, rope, moe, mtp, rms_norm_eps, dtype, "
                          "param_dtype, attention (command-line override model.bogus=1)")),

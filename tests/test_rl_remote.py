@@ -184,8 +184,8 @@ def _engine_env(devices: int) -> dict:
 
 
 def _engine(overrides: list[str], devices: int = 2) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides], env=_engine_env(devices),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides, f"cpu_devices={devices}"],
+                            env=_engine_env(devices), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow

@@ -7,8 +7,6 @@ import json
 from composer_jax.cli.common import non_negative_int, positive_int, subcommand
 from composer_jax.config import ConfigError, MeshConfig
 
-HBM_GB = 141.0            # --hbm-gb's default: an H200
-
 
 def parse_layout(text: str) -> MeshConfig:
     """'fsdp=64,cp=2,ep=128' -> MeshConfig (other axes at their defaults)."""
@@ -68,16 +66,64 @@ def plan_table(plans, hbm_gb: float) -> str:
     return "\n".join(out)
 
 
+def _hardware(args):
+    """The device and links the step time is estimated for: the --gpu preset, with any rate given."""
+    import dataclasses
+
+    from composer_jax.plan.timing import PRESETS
+
+    hw = PRESETS[args.gpu]
+    flops = hw.flops if args.flops is None else args.flops
+    return dataclasses.replace(
+        hw, hbm_gb=hw.hbm_gb if args.hbm_gb is None else args.hbm_gb, flops=flops,
+        flops_f32=hw.flops_f32 * flops / hw.flops, devices_per_node=args.devices_per_host,
+        intra_bw=hw.intra_bw if args.intra_bw is None else args.intra_bw * 1e9,
+        inter_bw=hw.inter_bw if args.inter_bw is None else args.inter_bw * 1e9)
+
+
 def _run_plan(args) -> int:
-    from composer_jax.plan.report import load_plan_config, plan_report
+    from composer_jax.config import command_line_overrides
+    from composer_jax.plan.report import fits, load_plan_config, plan_report
+    from composer_jax.plan.search import (
+        SEARCH_KEYS,
+        best_fitting,
+        search,
+        with_settings,
+    )
+    from composer_jax.train.config import is_run_config
 
     cfg = load_plan_config(args.config, args.overrides)
+    hw = _hardware(args)
     options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
+    fixed = set(command_line_overrides(args.overrides)) & set(SEARCH_KEYS)
+    chosen, found = None, []
+    if not is_run_config(args.config):   # a model config has no run settings: the search picks those not given
+        chosen, found = best_fitting(cfg, args.devices, hw, fixed, **options)
+        cfg = cfg if chosen is None else with_settings(cfg, chosen.settings)
     report = plan_report(cfg, args.devices, rl_slots=args.rl_slots, rl_window=args.rl_window,
                          devices_per_host=args.devices_per_host, seq_lens=args.seq_lens or (),
                          layouts=[parse_layout(text) for text in args.layout], **options)
-    print(_heading(args, cfg, report) + "\n")
-    print(plan_table([p for p in (report.train, report.rl) if p is not None], args.hbm_gb))
+    print(_heading(args, cfg, report))
+    if chosen is not None:
+        print(f"run settings chosen for {args.devices} devices by the layout search (keys not on the command "
+              f"line): {chosen.overrides()}")
+    print()
+    print(plan_table([p for p in (report.train, report.rl) if p is not None], hw.hbm_gb))
+    _print_extras(report, hw.hbm_gb)
+    found = (found or search(cfg, args.devices, hw, fixed=fixed, **options)) if args.search else []
+    if found:
+        _print_search(found, args.top, hw)
+    if not fits(report.train.total, hw.hbm_gb):
+        _print_remedy(args, cfg, hw, fixed, options)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
+                       **report.to_dict(hw.hbm_gb), "search": [_candidate_json(c) for c in found[:args.top]]},
+                      f, indent=2)
+    return 0
+
+
+def _print_extras(report, hbm_gb: float) -> None:
     if report.loading is not None:
         _print_loading(report.loading)
     if report.muon is not None:
@@ -85,12 +131,44 @@ def _run_plan(args) -> int:
         print(f"\nMuon Newton-Schulz per device: {share.per_device / 1e12:.4g} TFLOP, {share.ratio:.4f}x the even "
               f"share (total {share.total / 1e12:.4g} TFLOP over {share.matrices:,} matrices / {share.devices})")
     if report.verdicts:
-        _print_verdicts(report, args.hbm_gb)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
-                       **report.to_dict(args.hbm_gb)}, f, indent=2)
-    return 0
+        _print_verdicts(report, hbm_gb)
+
+
+def _candidate_json(c) -> dict:
+    return {"settings": c.settings, "fits": c.fits, "total": c.plan.total, "step_s": c.time.total_s,
+            "compute_s": c.time.compute_s, "comm_s": c.time.comm_s, "comm_bytes": c.time.comm_bytes}
+
+
+def _print_search(found, top: int, hw) -> None:
+    fitting = [c for c in found if c.fits]
+    print(f"\nlayout search: {len(found):,} layouts planned, {len(fitting):,} fit; the fastest by the estimated "
+          f"step time ({hw.name}: {hw.flops / 1e12:g} TFLOP/s bf16, {hw.intra_bw / 1e9:g} GB/s within a node of "
+          f"{hw.devices_per_node}, {hw.inter_bw / 1e9:g} GB/s between nodes; docs/planning.md):")
+    for i, c in enumerate(fitting[:top], 1):
+        comm = ", ".join(f"{name} {sec:.3g}" for name, sec in sorted(c.time.comm_s.items(), key=lambda kv: -kv[1])[:3])
+        print(f"  {i}. {c.plan.total / 1e9:.1f} GB, {c.time.total_s:.3g} s/step (compute {c.time.compute_s:.3g} s"
+              f"{'; ' + comm if comm else ''}): {c.overrides()}")
+    if not fitting:
+        print("  none fits")
+
+
+def _print_remedy(args, cfg, hw, fixed: set[str], options: dict) -> None:
+    """After a plan that does not fit: the fastest layout that does, or why none does."""
+    from composer_jax.plan.search import best_fitting, changed, largest_term
+
+    best, candidates = best_fitting(cfg, args.devices, hw, fixed, **options)
+    if best is not None:
+        print(f"\ndoes not fit in {hw.hbm_gb:g} GB; the fastest layout that fits ({best.plan.total / 1e9:.1f} GB, "
+              f"{best.time.total_s:.3g} s/step estimated): {' '.join(f'{k}={v}' for k, v in changed(cfg, best).items())}")
+        return
+    if not candidates:
+        print(f"\ndoes not fit in {hw.hbm_gb:g} GB, and no layout of {args.devices} devices takes this run")
+        return
+    smallest = min(candidates, key=lambda c: c.plan.total)
+    term, size = largest_term(smallest.plan)
+    print(f"\ndoes not fit in {hw.hbm_gb:g} GB on any layout of {args.devices} devices: the smallest "
+          f"({smallest.overrides()}) needs {smallest.plan.total / 1e9:.1f} GB, its largest term {term} "
+          f"{size / 1e9:.1f} GB")
 
 
 def _heading(args, cfg, report) -> str:
@@ -161,6 +239,20 @@ def _add_plan(sub) -> None:
                    help="RL feedback windows per trajectory (default 1; 0: no self-distillation teacher)")
     p.add_argument("--rl-window", type=positive_int, default=2048, help="tokens per RL feedback window (default 2048)")
     p.add_argument("--devices-per-host", type=positive_int, default=8,
-                   help="devices a host drives, for the host memory of loading train.init_from (default 8)")
-    p.add_argument("--hbm-gb", type=float, default=HBM_GB, help=f"memory per device in GB (default {HBM_GB:g}: H200)")
+                   help="devices a host (a node) drives: the host memory of loading train.init_from, and which "
+                        "collectives stay within a node (default 8)")
+    p.add_argument("--hbm-gb", type=float, help="memory per device in GB (default: the --gpu preset's)")
+    p.add_argument("--gpu", choices=("h100", "h200"), default="h200",
+                   help="the device preset: memory, FLOP/s and link bandwidths (datasheets; default h200)")
+    p.add_argument("--flops", type=float, metavar="FLOP/S", help="dense bf16 FLOP/s per device, e.g. 989e12 "
+                                                                  "(default: the preset's)")
+    p.add_argument("--intra-bw", type=float, metavar="GB/S",
+                   help="bandwidth per device and direction within a node of --devices-per-host (default: the "
+                        "preset's NVLink, 450)")
+    p.add_argument("--inter-bw", type=float, metavar="GB/S",
+                   help="bandwidth per device and direction between nodes (default: the preset's network, 50)")
+    p.add_argument("--search", action="store_true",
+                   help="enumerate layouts (dense and expert grids, dispatch, remat, micro-batches, Muon's NS dtype; "
+                        "keys on the command line stay) and print the fastest that fit by the estimated step time")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts --search prints (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the plans and verdicts as JSON")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 
 import jax
@@ -37,33 +38,75 @@ BATCH_AXES = ("replica", "fsdp")       # dense-mesh batch sharding
 DENSE_TOKEN_AXES = DENSE_AXES          # flattened [batch * seq] tokens on the dense mesh
 EXPERT_TOKEN_AXES = EXPERT_AXES        # the same token shards on the expert mesh
 
-def resolve_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
-    """Axis sizes with -1 filled in; each grid must multiply to `num_devices`."""
-    sizes = {}
-    for grid in (DENSE_AXES, EXPERT_AXES):
-        given = {a: getattr(cfg, a) for a in grid}
-        known = math.prod(s for s in given.values() if s != -1)
-        for axis, size in given.items():
-            if size == -1:
-                if num_devices % known:
-                    raise ConfigError(axis, f"cannot fill: the other {grid} sizes ({known}) do not divide "
-                                            f"the {num_devices} devices")
-                size = num_devices // known
-            sizes[axis] = size
-        product = math.prod(sizes[a] for a in grid)
-        if product != num_devices:
-            layout = " x ".join(f"{a}={sizes[a]}" for a in grid)
-            raise ConfigError(grid[0], f"{layout} = {product} devices, but there are {num_devices}")
-    return sizes
+def largest_ep(devices: int, experts: int | None) -> int:
+    """The widest expert-parallel axis over `devices`: the largest size dividing both the devices and the
+    routed experts (all the devices when the experts are not known)."""
+    if experts is None:
+        return devices
+    return max(d for d in range(1, devices + 1) if devices % d == 0 and experts % d == 0)
+
+
+def _settings(sizes: dict[str, int], changed: dict[str, int]) -> str:
+    return " ".join(f"mesh.{a}={v}" for a, v in changed.items() if sizes.get(a) != v) or "the defaults"
+
+
+def dense_hint(cfg: MeshConfig, num_devices: int) -> str:
+    """A dense grid that works on `num_devices`: the given replica and cp if they fit, FSDP over the rest."""
+    replica, cp = max(cfg.replica, 1), max(cfg.cp, 1)
+    if num_devices % (replica * cp):
+        replica, cp = 1, 1
+    return _settings(dataclasses.asdict(cfg), {"replica": replica, "fsdp": num_devices // (replica * cp), "cp": cp})
+
+
+def expert_hint(cfg: MeshConfig, num_devices: int, experts: int | None) -> str:
+    """An expert grid that works on `num_devices` for `experts` routed experts: the given efsdp if it
+    divides the devices, the widest expert parallelism, replicas over the rest."""
+    efsdp = cfg.efsdp if cfg.efsdp > 0 and num_devices % cfg.efsdp == 0 else 1
+    ep = largest_ep(num_devices // efsdp, experts)
+    return _settings(dataclasses.asdict(cfg), {"ep": ep, "ereplica": num_devices // (efsdp * ep), "efsdp": efsdp})
+
+
+def _fill(cfg: MeshConfig, grid: tuple[str, ...], num_devices: int, experts: int | None) -> dict[str, int]:
+    """One grid's sizes with its -1 filled (module docstring of MeshConfig); ConfigError naming a layout
+    that works when the given sizes cannot."""
+    given = {a: getattr(cfg, a) for a in grid}
+
+    def hint() -> str:
+        return dense_hint(cfg, num_devices) if grid == DENSE_AXES else expert_hint(cfg, num_devices, experts)
+
+    if given.get("ep") == -1 and given.get("ereplica") == -1 and num_devices % given["efsdp"] == 0:
+        rest = num_devices // given["efsdp"]
+        given["ep"] = largest_ep(rest, experts)
+        given["ereplica"] = rest // given["ep"]
+    known = math.prod(s for s in given.values() if s != -1)
+    for axis, size in given.items():
+        if size == -1:
+            if num_devices % known:
+                raise ConfigError(axis, f"cannot fill: the other {grid} sizes ({known}) do not divide the "
+                                        f"{num_devices} devices: try {hint()}")
+            given[axis] = num_devices // known
+    product = math.prod(given.values())
+    if product != num_devices:
+        layout = " x ".join(f"{a}={given[a]}" for a in grid)
+        raise ConfigError(grid[0], f"{layout} = {product} devices, but there are {num_devices}: try {hint()}")
+    return given
+
+
+def resolve_sizes(cfg: MeshConfig, num_devices: int, experts: int | None = None) -> dict[str, int]:
+    """Axis sizes with -1 filled in (`experts`: the routed experts a -1 `ep` must divide); each grid must
+    multiply to `num_devices`."""
+    return {**_fill(cfg, DENSE_AXES, num_devices, experts), **_fill(cfg, EXPERT_AXES, num_devices, experts)}
 
 
 def check_model(sizes: dict[str, int], model: ModelConfig) -> None:
-    """Raise ConfigError when the model cannot run on this layout."""
+    """Raise ConfigError when the model cannot run on this layout, naming a layout that can."""
     experts = model.moe.n_routed_experts
     if experts % sizes["ep"]:
-        raise ConfigError("ep", f"ep={sizes['ep']} must divide n_routed_experts={experts}")
+        hint = expert_hint(MeshConfig(**sizes), math.prod(sizes[a] for a in EXPERT_AXES), experts)
+        raise ConfigError("ep", f"ep={sizes['ep']} must divide n_routed_experts={experts}: try {hint}")
     if model.hidden_size % sizes["efsdp"]:
-        raise ConfigError("efsdp", f"efsdp={sizes['efsdp']} must divide hidden_size={model.hidden_size}")
+        raise ConfigError("efsdp", f"efsdp={sizes['efsdp']} must divide hidden_size={model.hidden_size}: "
+                                   "try mesh.efsdp=1")
 
 
 class DualMesh:
@@ -72,7 +115,7 @@ class DualMesh:
     def __init__(self, cfg: MeshConfig, devices=None, model: ModelConfig | None = None):
         devices = np.asarray(jax.devices() if devices is None else devices).reshape(-1)
         self.cfg = cfg
-        self.sizes = resolve_sizes(cfg, devices.size)
+        self.sizes = resolve_sizes(cfg, devices.size, None if model is None else model.moe.n_routed_experts)
         if model is not None:
             check_model(self.sizes, model)
         explicit = lambda n: (AxisType.Explicit,) * n  # noqa: E731

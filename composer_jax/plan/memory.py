@@ -70,7 +70,7 @@ def resolve_settings(cfg: RunConfig, attention: str | None, grouped_matmul: str,
 
 
 def layout_sizes(cfg: RunConfig, devices: int) -> dict[str, int]:
-    sizes = resolve_sizes(cfg.mesh, devices)
+    sizes = resolve_sizes(cfg.mesh, devices, cfg.model.moe.n_routed_experts)
     check_model(sizes, cfg.model)
     return sizes
 

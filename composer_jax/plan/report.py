@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from composer_jax.config import ConfigError, MeshConfig
+from composer_jax.parallel.mesh import largest_ep
 from composer_jax.plan.loading import LoadingPeak, loading_peak
 from composer_jax.plan.memory import MemoryPlan, layout_sizes, plan_train
 from composer_jax.plan.muon import NSShare, ns_share
@@ -50,8 +51,7 @@ def candidate_layouts(cfg: RunConfig, devices: int) -> list[MeshConfig]:
     """Layouts to judge when none is given: context parallelism 1, 2, 4, ... 64 with FSDP over the rest
     of the devices, experts on the widest expert-parallel axis that divides both the experts and the
     devices (replicated over the remainder)."""
-    experts = cfg.model.moe.n_routed_experts
-    ep = max(e for e in range(1, devices + 1) if devices % e == 0 and experts % e == 0)
+    ep = largest_ep(devices, cfg.model.moe.n_routed_experts)
     return [MeshConfig(fsdp=devices // cp, cp=cp, ereplica=devices // ep, ep=ep)
             for cp in CONTEXT_PARALLEL if cp <= devices and devices % cp == 0]
 

@@ -71,14 +71,21 @@ def _described_leaves(cfg: ModelConfig) -> tuple:
                  for leaf in model_leaves(model))
 
 
-def param_leaves(cfg: ModelConfig, sizes: dict[str, int]) -> list[ParamLeaf]:
+def param_leaves(cfg: ModelConfig, sizes: dict[str, int]) -> tuple[ParamLeaf, ...]:
     """Every Param and RouterBias leaf of `cfg`'s model with its placement on a layout of `sizes`."""
+    return _placed_leaves(cfg, tuple(sizes.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _placed_leaves(cfg: ModelConfig, sizes: tuple) -> tuple[ParamLeaf, ...]:
+    """param_leaves, cached: a layout search places the same leaves on each grid many times."""
+    sizes = dict(sizes)
     out = []
     for leaf, itemsize, axes, trainable, matrix in _described_leaves(cfg):
         spec = spec_for(axes, leaf.shape, sizes)
         out.append(ParamLeaf(leaf.path, leaf.shape, itemsize, axes, spec, grid_of(axes), leaf.component, trainable,
                              matrix, shard_shape(leaf.shape, spec, sizes)))
-    return out
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +112,7 @@ def optimizer_copies(leaf: ParamLeaf, optimizer: str) -> int:
     return 2
 
 
-def state_bytes(leaves: list[ParamLeaf], optimizer: str, grad_accum: int = 1) -> StateBytes:
+def state_bytes(leaves: tuple[ParamLeaf, ...], optimizer: str, grad_accum: int = 1) -> StateBytes:
     """Per-device state bytes of `leaves` (`param_leaves`) with the optimizer named `optimizer`
     ('adamw' or 'muon') and `grad_accum` micro-batches per step."""
     params = sum(x.bytes for x in leaves if x.trainable)
