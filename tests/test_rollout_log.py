@@ -13,7 +13,8 @@ from composer_jax.data.tokenizer import ByteTokenizer
 from composer_jax.envs import Report, TokenEpisode, ToyEnv, get_format, toy_tasks
 from composer_jax.envs.monitor import Finding
 from composer_jax.rl.rollout import Rollout
-from composer_jax.rl.rollout_log import RolloutLog, pick, picked_samples, read_rollouts, render, token_versions
+from composer_jax.rl.rollout_log import (RolloutLog, logs_batch, pick, picked_lines, read_rollouts, render,
+                                         token_versions)
 from composer_jax.rl.sampler import Prompt
 
 
@@ -55,9 +56,9 @@ def test_a_line_holds_the_episode_as_played():
     good = get_format("plain").render_call("submit", {"answer": "ANSWER"})
     rollouts = [_toy_rollout(0, ["<tool_call>{not json</tool_call>", good], 0.9, report),
                 _toy_rollout(1, ["<tool_call>{not json</tool_call>", "none"], 0.0)]
-    lines = picked_samples(rollouts, ["5/0"], (0, 0))
+    lines = [json.loads(line) for line in picked_lines(rollouts, ["5/0"], (0, 0))]
     assert [(s["pick"], s["episode"], s["trained"]) for s in lines] == [("best", "5/0", True), ("worst", "5/1", False)]
-    best, episode = json.loads(json.dumps(lines[0])), rollouts[0].episode
+    best, episode = lines[0], rollouts[0].episode
     assert best["tokens"] == episode.tokens and ByteTokenizer().decode(best["tokens"]) == best["text"]
     assert best["reward"] == 0.9 and best["task_reward"] == 1.0 and best["reward_terms"]["task"] == 1.0
     assert best["monitor"] == {"detectors": ["vcs_history"], "findings": [
@@ -79,19 +80,22 @@ def test_a_line_holds_the_episode_as_played():
 
 
 def test_the_log_writes_due_steps_and_a_resume_cuts_what_follows_its_checkpoint(tmp_path):
-    """Every 2nd step is written; a run resumed from step 4 drops the lines of steps 5 and 6 and a line a
-    kill cut short, keeps those up to 4, then appends again; a process other than 0 writes nothing."""
-    log = RolloutLog(tmp_path, 2, -1)
-    for step in range(1, 7):
-        log.write(step, [{"pick": "best"}, {"pick": "worst"}])
+    """With rl.log_rollouts_every=2 the batches for versions 1, 3, 5 (steps 2, 4, 6) are logged, with 0 none;
+    a line gets its step first; a run resumed from step 4 drops the lines of step 6 and a line a kill cut
+    short, keeps those up to 4, then appends again; a process other than 0 writes nothing."""
+    assert [i for i in range(7) if logs_batch(2, i)] == [1, 3, 5] and not any(logs_batch(0, i) for i in range(7))
+    log = RolloutLog(tmp_path, -1)
+    for step in (2, 4, 6):
+        log.write(step, ['{"pick": "best", "reward": 1.5}', '{"pick": "worst"}'])
     with open(tmp_path / "rollouts.jsonl", "a") as f:
         f.write('{"step": 7, "pick": "be')
+    assert read_rollouts(tmp_path)[:2] == [{"step": 2, "pick": "best", "reward": 1.5}, {"step": 2, "pick": "worst"}]
     assert [r["step"] for r in read_rollouts(tmp_path)] == [2, 2, 4, 4, 6, 6]
-    log = RolloutLog(tmp_path, 2, 4)
+    log = RolloutLog(tmp_path, 4)
     assert [r["step"] for r in read_rollouts(tmp_path)] == [2, 2, 4, 4]
-    assert log.write(6, [{"pick": "random"}]) == 1 and log.write(7, [{"pick": "random"}]) == 0
+    assert log.write(6, ['{"pick": "random"}']) == 1 and log.write(7, []) == 0
     assert [(r["step"], r["pick"]) for r in read_rollouts(tmp_path)][-1] == (6, "random")
-    assert RolloutLog(None, 1, -1).write(8, [{"pick": "best"}]) == 0 and RolloutLog(tmp_path, 0, 6).write(8, [{}]) == 0
+    assert RolloutLog(None, -1).write(8, ['{"pick": "best"}']) == 0 and len(read_rollouts(tmp_path)) == 5
 
 
 RECORD = {"step": 12, "pick": "worst", "episode": "40/3", "task": "fix-7", "trained": True, "reward": -0.25,

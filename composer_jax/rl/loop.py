@@ -88,7 +88,7 @@ class RLTrainer:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
             write_chat(self.run_dir, self.chat, self.tokenizer)
             cut_examples(self.run_dir / "monitor.jsonl", keep_through)
-        self.rollout_log = RolloutLog(self.run_dir if lead else None, self.cfg.rl.log_rollouts_every, keep_through)
+        self.rollout_log = RolloutLog(self.run_dir if lead else None, keep_through)
         return metrics_lib.MetricsWriter(self.run_dir if lead else None, keep_through=keep_through)
 
     def run(self) -> dict:
@@ -133,7 +133,7 @@ class RLTrainer:
         return metrics, (began, time.time())
 
     def _log(self, step: int, record: dict, produced: ProducedBatch, writer, progress, lead: bool) -> None:
-        """The step's monitor reports, its picked episodes when due (rendered by the rollout side), its
+        """The step's monitor reports, its picked episodes (when the rollout side logged its batch's), its
         held-out evaluation when due, its metrics line and progress."""
         if lead:
             write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,

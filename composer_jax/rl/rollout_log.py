@@ -3,11 +3,13 @@
 Every `rl.log_rollouts_every` steps the loop appends three episodes of the step's batch, picked among
 all its finished episodes (trained or not) by reward: the best (the highest reward; the last one of a
 tie), the worst (the lowest; the first one of a tie, never the best one) and a random other one (from
-the run's seed and the batch index, so a resumed run picks the same). The rollout side picks and
-renders them on the host while it produces the batch (`picked_samples`: in the producer thread or the
-engine process, before the batch goes to the device), so the learner's step never waits for them; the
-loop only appends the lines (`RolloutLog`), and a resumed run first cuts the lines after its
-checkpoint's step, as it cuts monitor.jsonl (`envs.cut_examples`). Each line (one episode):
+the run's seed and the batch index, so a resumed run picks the same). The rollout side picks, decodes
+and serializes them on the host while it produces the batch (`picked_lines`: in the producer thread or
+the engine process, before the batch goes to the device), only for the batches of policy versions N-1,
+2N-1, ... (trained at steps N, 2N, ...; a stale batch dropped before shifts them by one), so the
+learner never waits for them: the loop only appends the lines (`RolloutLog`), and a resumed run first
+cuts the lines after its checkpoint's step, as it cuts monitor.jsonl (`envs.cut_examples`). Each line
+(one episode):
 
     step          the step that trained on the batch (its policy version)
     pick          'best', 'worst' or 'random'
@@ -101,32 +103,37 @@ def sample_record(pick_name: str, rollout, trained: bool) -> dict:
             "versions": token_versions(ep.generated, rollout.versions), "conversation": conversation(ep)}
 
 
-def picked_samples(rollouts: Sequence, trained_keys: Iterable[str], seed: Sequence[int]) -> list[dict]:
-    """The lines (without their step) of the best, the worst and a random one of a batch's finished
-    `rollouts` (rl.rollout.Rollout); `trained_keys`: the episode keys of its trained groups."""
+def logs_batch(every: int, index: int) -> bool:
+    """Whether the batch for policy version `index` is one whose episodes are logged (rl.log_rollouts_every)."""
+    return every > 0 and (index + 1) % every == 0
+
+
+def picked_lines(rollouts: Sequence, trained_keys: Iterable[str], seed: Sequence[int]) -> list[str]:
+    """The lines, as JSON objects without their step, of the best, the worst and a random one of a
+    batch's finished `rollouts` (rl.rollout.Rollout); `trained_keys`: the episode keys of its trained groups."""
     trained = set(trained_keys)
-    return [sample_record(name, rollouts[i], rollouts[i].key in trained)
+    return [json.dumps(sample_record(name, rollouts[i], rollouts[i].key in trained))
             for name, i in pick([x.reward for x in rollouts], seed)]
 
 
 class RolloutLog:
-    """Appends the picked episodes of every `every`-th step (0: none) to RUN_DIR/rollouts.jsonl. A run
-    that continues from its checkpoint at step `keep_through` first drops the lines after it (a fresh
-    run passes -1: none kept), so the file holds each step's picks once. Without a `run_dir` (the
-    processes other than 0 of a group) it writes nothing."""
+    """Appends a step's picked episodes to RUN_DIR/rollouts.jsonl. A run that continues from its
+    checkpoint at step `keep_through` first drops the lines after it (a fresh run passes -1: none kept),
+    so the file holds each step's picks once. Without a `run_dir` (the processes other than 0 of a
+    group) it writes nothing."""
 
-    def __init__(self, run_dir: str | Path | None, every: int, keep_through: int):
-        self.every, self.path = every, None if run_dir is None else Path(run_dir) / FILE
+    def __init__(self, run_dir: str | Path | None, keep_through: int):
+        self.path = None if run_dir is None else Path(run_dir) / FILE
         if self.path is not None:
             cut_examples(self.path, keep_through)
 
-    def write(self, step: int, samples: Sequence[dict]) -> int:
-        """Append `samples` (picked_samples's) as step `step`'s lines when it is due; how many."""
-        if self.path is None or not self.every or step % self.every or not samples:
+    def write(self, step: int, lines: Sequence[str]) -> int:
+        """Append `lines` (picked_lines's: their JSON objects get `step` first); how many."""
+        if self.path is None or not lines:
             return 0
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
-        return len(samples)
+            f.write("".join(f'{{"step": {int(step)}, {line[1:]}\n' for line in lines))
+        return len(lines)
 
 
 def read_rollouts(run_dir: str | Path) -> list[dict]:
@@ -174,14 +181,14 @@ def render(record: dict, max_chars: int = 2000) -> str:
     """A record for the terminal: its header (step, pick, reward and its nonzero terms, the monitor's
     findings), then the conversation, each piece under a rule naming who wrote it (the policy's turns
     with their versions, flags and hint); environment pieces are cut to `max_chars` (0: whole), blank
-    ones left out, and each piece's trailing newlines dropped."""
+    ones left out, and the newlines around each piece dropped."""
     terms = ", ".join(f"{k} {v:+.3f}" for k, v in record["reward_terms"].items() if k != "total" and v)
     lines = [f"=== {summary_line(record)}", f"reward {record['reward']:+.3f} ({terms or 'every term 0'}), task reward "
              f"{record['task_reward']:.3f}" + ("; cut: the context was full" if record["context_full"] else "")]
     lines += [f"monitor: {f['detector']} at turn {f['turn']} ({f['tool'] or 'flag'}, {f['source']}): {f['evidence']}"
               for f in record["monitor"]["findings"]]
     for piece in record["conversation"]:
-        text = piece["text"].rstrip("\n")
+        text = piece["text"].strip("\n")
         if piece["by"] == "policy":
             lines += [f"--- {_policy_label(record, piece)}", text]
             lines += [f"--- hint: {piece['hint']}"] if piece["hint"] else []
