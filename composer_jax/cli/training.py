@@ -184,8 +184,8 @@ def _run_rl(args) -> int:
         line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
     line += (f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time after the first step, "
              f"the learner waited for batches {100 * s['learner_wait_fraction']:.0f}%")
-    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, eval/, checkpoints/; "
-          f"plot: composer-jax plot {cfg.run_dir})")
+    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, rollouts.jsonl, eval/, "
+          f"checkpoints/; plot: composer-jax plot {cfg.run_dir}; episodes: composer-jax rollouts {cfg.run_dir})")
     return 0
 
 

@@ -21,7 +21,7 @@ tool-error rate, flagged turns, response length, tokens/s of rollout and learner
 the engine's occupancy, the learner's wait for batches, dropped groups, the prompts trained on:
 `rl.records`; `eval_pass@1` every `eval.every` steps: `rl.evaluator`), `monitor.jsonl`
 (episodes the reward-hacking monitor flagged), `rollouts.jsonl` (the best, the worst and a random episode
-of every `rl.log_rollouts_every`-th step, rendered: `rl.rollout_log`), `eval/step-N/` (held-out attempts) and `checkpoints/`
+of every `rl.log_rollouts_every`-th step, decoded: `rl.rollout_log`), `eval/step-N/` (held-out attempts) and `checkpoints/`
 (learner state, policy version = step, the task sampler's state with its random generator). Killing
 the run and starting the same command again continues from the last checkpoint: the sampler draws
 again from where that checkpoint's batch left it, so no consumed prompt is trained on twice (the stop,

@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from composer_jax.envs import cut_examples
+from composer_jax.train.metrics import parse_lines
 
 FILE = "rollouts.jsonl"
 PICKS = ("best", "worst", "random")
@@ -142,13 +143,7 @@ def read_rollouts(run_dir: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} an RL run directory that logs rollouts "
                                 "(rl.log_rollouts_every > 0)?")
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return parse_lines(path)
 
 
 def _cut(text: str, max_chars: int) -> str:
