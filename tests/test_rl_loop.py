@@ -205,7 +205,8 @@ def test_sigkill_then_restart_continues(tmp_path):
     assert 0 <= records[-1]["eval_pass@1"] <= 1       # the held-out evaluation at the last step
     assert (run_dir / "eval" / "step-5" / "summary.json").is_file()
     lines, tokenizer = read_rollouts(run_dir), run_chat(run_dir).load_tokenizer()     # the run's own
-    assert sorted((r["step"], r["pick"]) for r in lines) == [(s, p) for s in range(1, 6) for p in ("best", "random", "worst")]
+    picks = [(s, p) for s in range(1, 6) for p in ("best", "random", "worst")]
+    assert sorted((r["step"], r["pick"]) for r in lines) == picks
     assert all(tokenizer.decode(r["tokens"]) == r["text"] for r in lines)
 
 

@@ -32,7 +32,7 @@ def test_pick_best_worst_and_a_seeded_random_other():
     assert token_versions([0, 1, 1], [4]) == [-1, -1, -1]        # versions not given for every token
 
 
-def _toy_rollout(sample: int, turns: list[str], reward: float, report: Report = Report()) -> Rollout:
+def _toy_rollout(sample: int, turns: list[str], reward: float, report: Report | None = None) -> Rollout:
     """A toy addition played with the submit tool over `turns` (ANSWER: the right answer; a malformed call
     is flagged and retried), version 2 writing the first turn and 3 the second."""
     tokenizer, env = ByteTokenizer(), ToyEnv(get_format("plain"), use_tool=True, max_turns=2)
@@ -44,7 +44,7 @@ def _toy_rollout(sample: int, turns: list[str], reward: float, report: Report = 
         ids = tokenizer.encode(text.replace("ANSWER", task.answer) + env.fmt.end_of_turn)
         episode.step(ids, np.zeros(len(ids)))
         versions += [version + 2] * len(ids)
-    return Rollout(Prompt(task.id, 5, 0), sample, episode, versions, report, reward)
+    return Rollout(Prompt(task.id, 5, 0), sample, episode, versions, report or Report(), reward)
 
 
 def test_a_line_holds_the_episode_as_played():
@@ -149,7 +149,8 @@ def test_the_viewer_shows_the_conversation_reward_and_flags(tmp_path, capsys):
                                        "flagged turns 1  monitor vcs_history\n")
     assert cli.main(["rollouts", str(tmp_path), "--step", "13"]) == 2
     err = capsys.readouterr().err
-    assert err == "composer-jax rollouts: error: step 13 has no logged episodes (2 steps logged, 12 to 14: see --list)\n"
+    assert err == ("composer-jax rollouts: error: step 13 has no logged episodes (2 steps logged, 12 to 14: "
+                   "see --list)\n")
     assert cli.main(["rollouts", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rollouts.jsonl does not exist" in err

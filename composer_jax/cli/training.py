@@ -276,7 +276,8 @@ def _add_rollouts(sub) -> None:
                    "rl.log_rollouts_every-th step): reward and its terms, the monitor's findings, and the "
                    "conversation with the policy's turns, their versions, flags and hints.")
     p.add_argument("run_dir", help="an RL run directory (holds rollouts.jsonl)")
-    p.add_argument("--step", type=non_negative_int, default=None, metavar="N", help="this step (default: the last logged)")
+    p.add_argument("--step", type=non_negative_int, default=None, metavar="N",
+                   help="this step (default: the last logged)")
     for name in ("best", "worst", "random"):
         p.add_argument(f"--{name}", action="store_true", help=f"only the {name} episode (combinable)")
     p.add_argument("--list", action="store_true", help="one line per episode (of every step unless --step)")

@@ -46,7 +46,6 @@ from composer_jax.envs import cut_examples
 from composer_jax.train.metrics import parse_lines
 
 FILE = "rollouts.jsonl"
-PICKS = ("best", "worst", "random")
 
 
 def pick(rewards: Sequence[float], seed: Sequence[int]) -> list[tuple[str, int]]:
@@ -59,7 +58,8 @@ def pick(rewards: Sequence[float], seed: Sequence[int]) -> list[tuple[str, int]]
     if len(order) >= 2:
         picks.append(("worst", order[0]))
     if len(order) >= 3:
-        picks.append(("random", order[1 + int(np.random.default_rng([x % 2**32 for x in seed]).integers(len(order) - 2))]))
+        rng = np.random.default_rng([x % 2**32 for x in seed])
+        picks.append(("random", order[1 + int(rng.integers(len(order) - 2))]))
     return picks
 
 
@@ -168,7 +168,7 @@ def summary_line(record: dict) -> str:
     flagged = sum(bool(p.get("flags")) for p in record["conversation"])
     detectors = ",".join(record["monitor"]["detectors"]) or "-"
     return (f"step {record['step']:>5}  {record['pick']:<6}  reward {record['reward']:+.3f}  "
-            f"episode {record['episode']:<8}  task {record['task']}  {'trained' if record['trained'] else 'not trained'}"
+            f"episode {record['episode']:<8}  task {record['task']}  {'' if record['trained'] else 'not '}trained"
             f"  flagged turns {flagged}  monitor {detectors}")
 
 
