@@ -26,10 +26,12 @@ from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.config import to_dict
 from composer_jax.envs import get_format, toy_tasks
 from composer_jax.model import CausalLM
+from composer_jax.model_dirs import run_chat
 from composer_jax.parallel import shard_model
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.records import Overlap
 from composer_jax.rl.rollout import RolloutProducer, engine_context, group_assembler
+from composer_jax.rl.rollout_log import read_rollouts
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import TaskSampler
 from composer_jax.train.metrics import read_metrics
@@ -58,9 +60,12 @@ def _records(run_dir):
 
 def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     """rl.max_staleness=0: the asynchronous loop's losses, rewards and trained prompts equal those of a
-    plain loop that samples a batch with the current weights, then trains on it, step after step."""
+    plain loop that samples a batch with the current weights, then trains on it, step after step. Its
+    rollouts.jsonl (rl.log_rollouts_every=1) holds each step's best, worst and a random episode: their
+    rewards are the max and min of the plain loop's episodes of that batch, their tokens those episodes',
+    decoding with the run's tokenizer to the line's text, every generated token of version step - 1."""
     steps = 3
-    cfg = _config(tmp_path / "async", "rl.max_staleness=0", f"rl.steps={steps}")
+    cfg = _config(tmp_path / "async", "rl.max_staleness=0", f"rl.steps={steps}", "rl.log_rollouts_every=1")
     trainer = RLTrainer(cfg, parity_tasks())
     waits, next_batch = [], trainer.rollouts.next_batch
 
@@ -93,6 +98,14 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
             max_len=engine_context(cfg, trainer.tokenizer, get_format("plain")),
             steps_per_call=r.steps_per_call, format="plain"))
         producer = RolloutProducer(agent, tasks.train, tasks.make_env, sampler, group_assembler(cfg, sampler), cfg)
+        played, episode = {i: {} for i in range(steps)}, producer._episode
+
+        def recorded(prompt, sample, index, in_env):    # each episode the plain loop plays, by batch and key
+            rollout = episode(prompt, sample, index, in_env)
+            played[index][rollout.key] = rollout
+            return rollout
+
+        producer._episode = recorded
         try:
             for step in range(steps):
                 policy = nnx.merge(trainer.learner.rl_step.graphdef, state.params, state.biases, trainer.learner.rl_step.rest)
@@ -111,6 +124,24 @@ def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
         finally:
             agent.close()
     assert any(r["loss_sd"] > 0 for r in records) and any(r["groups_trainable"] > 0 for r in records)
+    _check_rollout_lines(read_rollouts(cfg.run_dir), played, records, trainer.tokenizer)
+
+
+def _check_rollout_lines(lines, played, records, tokenizer):
+    """rollouts.jsonl against the episodes the plain loop played (`played`: batch -> key -> Rollout)."""
+    assert [(r["step"], r["pick"]) for r in lines] == [(s, p) for s in (1, 2, 3) for p in ("best", "worst", "random")]
+    for line in lines:
+        batch = played[line["step"] - 1]
+        rewards = [x.reward for x in batch.values()]
+        reference = batch[line["episode"]]
+        assert line["tokens"] == reference.episode.tokens and tokenizer.decode(line["tokens"]) == line["text"]
+        assert line["reward"] == reference.reward
+        assert line["reward"] == {"best": max(rewards), "worst": min(rewards)}.get(line["pick"], line["reward"])
+        assert {v for v, g in zip(line["versions"], line["generated"]) if g} == {line["step"] - 1}
+        trained = records[line["step"] - 1]["trained_draws"]
+        assert line["trained"] == (int(line["episode"].split("/")[0]) in trained)
+    assert len({r["episode"] for r in lines if r["step"] == 1}) == 3
+    assert any(max(x.reward for x in b.values()) > min(x.reward for x in b.values()) for b in played.values())
 
 
 def test_staleness_bound_and_lost_rollouts(tmp_path):
@@ -145,10 +176,12 @@ def test_sigkill_then_restart_continues(tmp_path):
     """`composer-jax rl` killed with SIGKILL after its checkpoint at step 2, then started again with the
     same command: it resumes from its last checkpoint, runs to the end (with the held-out evaluation
     at the last step), the policy versions continue, and the prompts drawn over the whole run
-    (consumed whether trained or dropped) are each drawn once, in sequence."""
+    (consumed whether trained or dropped) are each drawn once, in sequence. rollouts.jsonl holds each
+    step's picks once: the lines the killed run wrote after its checkpoint (one is added here, as if it
+    had reached step 3) are cut, and each line's tokens decode with the run's tokenizer to its text."""
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "composer_jax.cli", "rl", *TINY, f"run_dir={run_dir}", "rl.steps=5",
-            "checkpoint.every=2", "env.tasks=8"]
+            "checkpoint.every=2", "env.tasks=8", "rl.log_rollouts_every=1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
@@ -158,6 +191,8 @@ def test_sigkill_then_restart_continues(tmp_path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     assert first.returncode == -signal.SIGKILL, first.stdout.read().decode()[-2000:]
+    with open(run_dir / "rollouts.jsonl", "a") as f:     # what the killed run might have written past step 2
+        f.write(json.dumps({"step": 3, "pick": "best", "episode": "killed"}) + "\n")
     second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
     resumed = re.search(r"steps (\d+) -> 5", second.stdout)
@@ -169,6 +204,10 @@ def test_sigkill_then_restart_continues(tmp_path):
     assert draws == list(range(len(draws))), draws
     assert 0 <= records[-1]["eval_pass@1"] <= 1       # the held-out evaluation at the last step
     assert (run_dir / "eval" / "step-5" / "summary.json").is_file()
+    lines, tokenizer = read_rollouts(run_dir), run_chat(run_dir).load_tokenizer()     # the run's own
+    picks = [(s, p) for s in range(1, 6) for p in ("best", "random", "worst")]
+    assert sorted((r["step"], r["pick"]) for r in lines) == picks
+    assert all(tokenizer.decode(r["tokens"]) == r["text"] for r in lines)
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -24,6 +24,7 @@ from composer_jax.config import ConfigError, MeshConfig
 from composer_jax.cpu_devices import without_device_count
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
+from composer_jax.model_dirs import run_chat
 from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.exchange import directory, heartbeat
@@ -37,6 +38,7 @@ from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, Devic
 from composer_jax.rl.engines import engine_states
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
+from composer_jax.rl.rollout_log import read_rollouts
 from composer_jax.rl.run_config import load_rl_config
 from composer_jax.rl.sampler import Prompt, TaskSampler
 from composer_jax.train.metrics import read_metrics
@@ -83,7 +85,9 @@ def _produced() -> ProducedBatch:
     report = Report((Finding("test_files", 0, "edit", "tests/test_a.py"), Finding("no_action", 1, "", "")))
     return ProducedBatch(5, batch, [p.draw for p in prompts], prompts[:1], [prompts[0].draw], np.array([[3, 4, -1, -1], [4, 4, -1, -1]]),
                          {"reward_mean": 0.1 + 0.2, "rollouts": 4.0}, [("0/0", report), ("0/1", Report())],
-                         sampler.state_dict(), {"counts": {"trainable": 1, "dropped_equal": 0}}, (1.5e9, 1.5e9 + 0.25))
+                         sampler.state_dict(), {"counts": {"trainable": 1, "dropped_equal": 0}}, (1.5e9, 1.5e9 + 0.25),
+                         [json.dumps({"pick": "best", "episode": "0/1", "reward": 0.5, "text": "a\u00e9",
+                                     "tokens": [97, 195, 169], "monitor": report.to_json()})])
 
 
 def test_batch_file_round_trips_every_field(tmp_path):
@@ -176,6 +180,8 @@ def test_the_engine_refuses_a_config_other_than_the_learners(tmp_path):
     check_same_settings(learner, engine_settings(same))
     with pytest.raises(ExchangeError, match=r"differs from the learner's at 'rl.max_staleness' \(2, the learner's 1\)"):
         check_same_settings(learner, engine_settings(_config(tmp_path / "a", "rl.max_staleness=2")))
+    with pytest.raises(ExchangeError, match=r"at 'rl.log_rollouts_every' \(0, the learner's 10\)"):   # the engine picks them
+        check_same_settings(learner, engine_settings(_config(tmp_path / "a", "rl.log_rollouts_every=0")))
 
 
 def _engine_env(devices: int) -> dict:
@@ -197,7 +203,8 @@ def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, 
     each drawn once, in sequence; every step trains its batch (none refused as stale, rows trained),
     the recorded staleness stays within 1 and the engine does run ahead."""
     run_dir = tmp_path / "run"
-    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300"]
+    overrides = [*TINY, f"run_dir={run_dir}", *REMOTE, "rl.max_staleness=1", "rollout.engine_timeout_s=300",
+                 "rl.log_rollouts_every=2"]
     engine = _engine([*overrides, "rl.steps=5"])
     try:
         with monkeypatch.context() as killed:
@@ -223,6 +230,10 @@ def test_engine_process_trains_the_learner_within_the_staleness_bound(tmp_path, 
     assert sum(len(r["trained_draws"]) for r in records) > 0 and all(np.isfinite(r["loss"]) for r in records)
     draws = [d for r in records for d in r["batch_draws"]]
     assert draws == list(range(len(draws))), draws
+    lines = read_rollouts(run_dir)      # the engine's picks, carried in its batch files
+    assert [(r["step"], r["pick"]) for r in lines] == [(s, p) for s in (2, 4) for p in ("best", "worst", "random")]
+    tokenizer = run_chat(run_dir).load_tokenizer()
+    assert all(tokenizer.decode(r["tokens"]) == r["text"] for r in lines)
 
 
 @pytest.mark.slow

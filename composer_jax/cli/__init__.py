@@ -20,7 +20,8 @@ from composer_jax.cli.bench import _add_bench
 from composer_jax.cli.common import USAGE_ERRORS, command_error, human, human_flops
 from composer_jax.cli.models import _add_convert, _add_export, _add_generate, _add_info
 from composer_jax.cli.plan import _add_plan
-from composer_jax.cli.training import _add_config, _add_plot, _add_pretrain, _add_rl, _add_rl_engine, _add_sft
+from composer_jax.cli.training import (_add_config, _add_plot, _add_pretrain, _add_rl, _add_rl_engine, _add_rollouts,
+                                      _add_sft)
 
 __all__ = ["build_parser", "human", "human_flops", "main"]
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rl(sub)
     _add_rl_engine(sub)
     _add_plot(sub)
+    _add_rollouts(sub)
     _add_config(sub)
     _add_convert(sub)
     _add_export(sub)

@@ -1,4 +1,4 @@
-"""Training commands: `pretrain`, `sft`, `rl`, `rl-engine`, `plot`, and `config show|keys`."""
+"""Training commands: `pretrain`, `sft`, `rl`, `rl-engine`, `plot`, `rollouts`, and `config show|keys`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import traceback
 
 from composer_jax.cli.common import (EXIT_USAGE, USAGE_ERRORS, command_error, command_group, load_model_or_run_config,
-                                     positive_int, quiet_logging, subcommand)
+                                     non_negative_int, positive_int, quiet_logging, subcommand)
 from composer_jax.config import ConfigError
 from composer_jax.config_reference import KINDS as KEY_KINDS
 from composer_jax.cpu_devices import use_cpu_devices
@@ -184,8 +184,8 @@ def _run_rl(args) -> int:
         line += f"; reward {s['first_fifth_reward']:.3f} (first fifth) -> {s['last_fifth_reward']:.3f} (last fifth)"
     line += (f"; rollout and learning overlapped {100 * s['overlap_fraction']:.0f}% of the time after the first step, "
              f"the learner waited for batches {100 * s['learner_wait_fraction']:.0f}%")
-    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, eval/, checkpoints/; "
-          f"plot: composer-jax plot {cfg.run_dir})")
+    print(f"{line}\nrun directory: {cfg.run_dir} (metrics.jsonl, tb/, monitor.jsonl, rollouts.jsonl, eval/, "
+          f"checkpoints/; plot: composer-jax plot {cfg.run_dir}; episodes: composer-jax rollouts {cfg.run_dir})")
     return 0
 
 
@@ -248,6 +248,41 @@ def _add_plot(sub) -> None:
                    "(loss, held-out loss, MTP, throughput, MFU, lr, grad norm, expert balance) as PNGs.")
     p.add_argument("run_dir", help="a training run directory (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots)")
+
+
+def _run_rollouts(args) -> int:
+    from composer_jax.rl.rollout_log import read_rollouts, render, summary_line
+
+    records = read_rollouts(args.run_dir)
+    steps = sorted({r["step"] for r in records})
+    if not steps:
+        return command_error("rollouts", ValueError(f"{args.run_dir}/rollouts.jsonl holds no episode yet"))
+    if args.step is not None and args.step not in steps:
+        return command_error("rollouts", ValueError(f"step {args.step} has no logged episodes ({len(steps)} steps "
+                                                    f"logged, {steps[0]} to {steps[-1]}: see --list)"))
+    if not (args.list and args.step is None):       # one step: the one asked for, else the last
+        step = steps[-1] if args.step is None else args.step
+        records = [r for r in records if r["step"] == step]
+    picks = [p for p in ("best", "worst", "random") if getattr(args, p)]
+    chosen = [r for r in records if not picks or r["pick"] in picks]
+    print("\n".join(summary_line(r) for r in chosen) if args.list
+          else "\n\n".join(render(r, args.max_chars) for r in chosen))
+    return 0
+
+
+def _add_rollouts(sub) -> None:
+    p = subcommand(sub, "rollouts", _run_rollouts, "the episodes an RL run logged, readable in a terminal",
+                   "Show RUN_DIR/rollouts.jsonl (the best, the worst and a random episode of every "
+                   "rl.log_rollouts_every-th step): reward and its terms, the monitor's findings, and the "
+                   "conversation with the policy's turns, their versions, flags and hints.")
+    p.add_argument("run_dir", help="an RL run directory (holds rollouts.jsonl)")
+    p.add_argument("--step", type=non_negative_int, default=None, metavar="N",
+                   help="this step (default: the last logged)")
+    for name in ("best", "worst", "random"):
+        p.add_argument(f"--{name}", action="store_true", help=f"only the {name} episode (combinable)")
+    p.add_argument("--list", action="store_true", help="one line per episode (of every step unless --step)")
+    p.add_argument("--max-chars", type=non_negative_int, default=2000, metavar="N",
+                   help="cut each environment piece (prompt, tool output) to N characters (0: whole; default: 2000)")
 
 
 # config show / keys

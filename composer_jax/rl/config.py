@@ -48,6 +48,9 @@ class RLConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=rl_optimizer)  # name=muon selects Muon
     steps: int = 1000                   # optimizer steps of the run (the learning-rate schedule's horizon)
     max_staleness: int = 1              # the RL loop trains no batch older than this many policy versions (0: synchronous)
+    # every this many steps the loop appends the best, the worst and a random episode of the step's batch to
+    # RUN_DIR/rollouts.jsonl (`composer-jax rollouts RUN_DIR` shows them); 0: none
+    log_rollouts_every: int = 10
 
     def __post_init__(self):
         checks = [
@@ -69,6 +72,7 @@ class RLConfig:
             ("loss_chunk", self.loss_chunk > 0, "must be > 0"),
             ("steps", self.steps > 0, "must be > 0"),
             ("max_staleness", self.max_staleness >= 0, "must be >= 0 (0: every batch is sampled by the current policy)"),
+            ("log_rollouts_every", self.log_rollouts_every >= 0, "must be >= 0 (0: no RUN_DIR/rollouts.jsonl)"),
         ]
         for key, ok, message in checks:
             if not ok:

@@ -20,7 +20,8 @@ policy version, staleness, rewards and their components, pass rate, loss terms, 
 tool-error rate, flagged turns, response length, tokens/s of rollout and learner, their overlap,
 the engine's occupancy, the learner's wait for batches, dropped groups, the prompts trained on:
 `rl.records`; `eval_pass@1` every `eval.every` steps: `rl.evaluator`), `monitor.jsonl`
-(episodes the reward-hacking monitor flagged), `eval/step-N/` (held-out attempts) and `checkpoints/`
+(episodes the reward-hacking monitor flagged), `rollouts.jsonl` (the best, the worst and a random episode
+of every `rl.log_rollouts_every`-th step, decoded: `rl.rollout_log`), `eval/step-N/` (held-out attempts) and `checkpoints/`
 (learner state, policy version = step, the task sampler's state with its random generator). Killing
 the run and starting the same command again continues from the last checkpoint: the sampler draws
 again from where that checkpoint's batch left it, so no consumed prompt is trained on twice (the stop,
@@ -43,6 +44,7 @@ from composer_jax.rl.evaluator import HeldOutEvaluator
 from composer_jax.rl.learner import Learner
 from composer_jax.rl.records import RunRecords
 from composer_jax.rl.rollout import ProducedBatch
+from composer_jax.rl.rollout_log import RolloutLog
 from composer_jax.rl.run_config import RLRunConfig, resolve_run
 from composer_jax.rl.task_sets import TaskSets, grow_pool, task_sets
 from composer_jax.train import metrics as metrics_lib
@@ -78,14 +80,15 @@ class RLTrainer:
         self.checkpoints.save(step, self.learner.state, self.rollouts.checkpoint_data(), to_dict(self.cfg))
 
     def _open_run_dir(self, start: int, lead: bool) -> metrics_lib.MetricsWriter:
-        """RUN_DIR's config, chat settings (the run opens as a model source) and logs cut back to `start`;
-        in a process group process 0 alone writes (`lead`)."""
+        """RUN_DIR's config, chat settings (the run opens as a model source) and logs cut back to `start`
+        (the rollout log too: `self.rollout_log`); in a process group process 0 alone writes (`lead`)."""
         keep_through = self.life.keep_through(start)     # each step's lines once
         if lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
             write_chat(self.run_dir, self.chat, self.tokenizer)
             cut_examples(self.run_dir / "monitor.jsonl", keep_through)
+        self.rollout_log = RolloutLog(self.run_dir if lead else None, keep_through)
         return metrics_lib.MetricsWriter(self.run_dir if lead else None, keep_through=keep_through)
 
     def run(self) -> dict:
@@ -130,10 +133,12 @@ class RLTrainer:
         return metrics, (began, time.time())
 
     def _log(self, step: int, record: dict, produced: ProducedBatch, writer, progress, lead: bool) -> None:
-        """The step's monitor reports, its held-out evaluation when due, its metrics line and progress."""
+        """The step's monitor reports, its picked episodes (when the rollout side logged its batch's), its
+        held-out evaluation when due, its metrics line and progress."""
         if lead:
             write_examples(self.run_dir / "monitor.jsonl", [r for _, r in produced.reports], step=step,
                            episode_ids=[k for k, _ in produced.reports])
+        self.rollout_log.write(step, produced.samples)
         if self.evaluator.due(step):
             record.update(self.evaluator(step, self.learner))
             progress.write(f"step {step}: held-out pass@1 {record['eval_pass@1']:.3f}")

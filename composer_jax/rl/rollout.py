@@ -43,6 +43,7 @@ from composer_jax.agents.engine_agent import EngineAgent, EngineAgentConfig
 from composer_jax.agents.episode import attempt_seed, play
 from composer_jax.rl.batch import RolloutBatch
 from composer_jax.rl.groups import COUNTS, Group, GroupAssembler, Sample
+from composer_jax.rl.rollout_log import logs_batch, picked_lines
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.sampler import Prompt, TaskSampler
 from composer_jax.rl.task_pool import TaskPool
@@ -111,6 +112,9 @@ class ProducedBatch:
     sampler_state: dict         # the sampler once this batch's groups were recorded (what a checkpoint keeps)
     group_counts: dict
     busy: tuple[float, float]   # time.time() interval spent producing it (comparable across processes and hosts)
+    # the episodes picked for RUN_DIR/rollouts.jsonl: its lines as JSON objects without their step
+    # (rl.rollout_log); none when this batch's are not logged (rl.log_rollouts_every)
+    samples: list[str] = dataclasses.field(default_factory=list)
 
 
 def engine_context(cfg: RLRunConfig, tokenizer, fmt) -> int:
@@ -385,10 +389,12 @@ class RolloutProducer:
         metrics.update(self.sampler.summary())
         if self.pool is not None:
             metrics.update(self.pool.metrics(self.sampler.stats, self.tasks))
+        samples = (picked_lines(finished, [s.rollout.key for g in trainable for s in g.samples], (self.cfg.seed, index))
+                   if logs_batch(self.cfg.rl.log_rollouts_every, index) else [])
         return ProducedBatch(index, batch, [p.draw for p in prompts], [g.prompt for g in trainable],
                              [g.prompt.draw for g in trainable if g.feedback_only], versions, metrics,
                              [(x.key, x.report) for x in finished], json.loads(json.dumps(self.sampler.state_dict())),
-                             self.groups.state_dict(), (began, time.time()))
+                             self.groups.state_dict(), (began, time.time()), samples)
 
 
 class GroupPlay:

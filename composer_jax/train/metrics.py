@@ -46,8 +46,9 @@ def measure_host_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size ** 3 * repeats / (time.perf_counter() - start)
 
 
-def _parse_lines(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl, skipping blank lines and a line cut short by a kill."""
+def parse_lines(path: Path) -> list[dict]:
+    """The records of a JSON-lines log (metrics.jsonl, rollouts.jsonl), skipping blank lines and a line cut
+    short by a kill."""
     out = []
     for line in path.read_text().splitlines():
         try:
@@ -84,7 +85,7 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
-        logged = _parse_lines(path) if path.exists() else []
+        logged = parse_lines(path) if path.exists() else []
         kept = [r for r in _latest_per_step(logged) if isinstance(r.get("step"), int) and r["step"] <= keep_through]
         self.dropped = len(logged) - len(kept)
         if self.dropped or (path.exists() and not path.read_bytes().endswith(b"\n")):
@@ -130,7 +131,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a training run directory?")
-    return _latest_per_step(_parse_lines(path))
+    return _latest_per_step(parse_lines(path))
 
 
 class Progress:

@@ -77,7 +77,7 @@ def write_batch(path: Path, produced: ProducedBatch) -> None:
             "metrics": produced.metrics,
             "reports": [[key, [dataclasses.asdict(f) for f in report.findings]] for key, report in produced.reports],
             "sampler_state": produced.sampler_state, "group_counts": produced.group_counts,
-            "busy": list(produced.busy)}
+            "busy": list(produced.busy), "samples": produced.samples}
     atomic_write(path, pack([*(getattr(produced.batch, k) for k in fields), produced.row_versions], meta))
 
 
@@ -87,4 +87,4 @@ def read_batch(path: Path) -> ProducedBatch:
     reports = [(key, Report(tuple(Finding(**f) for f in findings))) for key, findings in meta["reports"]]
     return ProducedBatch(meta["index"], batch, meta["draws"], [Prompt(*p) for p in meta["trained"]],
                          meta["feedback_only"], arrays[-1], meta["metrics"], reports,
-                         meta["sampler_state"], meta["group_counts"], tuple(meta["busy"]))
+                         meta["sampler_state"], meta["group_counts"], tuple(meta["busy"]), meta["samples"])

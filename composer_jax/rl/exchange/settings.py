@@ -10,8 +10,9 @@ from composer_jax.rl.exchange.directory import ExchangeError
 from composer_jax.rl.run_config import RLRunConfig
 
 # What the engine's batches depend on: these settings must be the learner's (paths may differ by host).
+# rl.log_rollouts_every: whether the engine picks episodes for RUN_DIR/rollouts.jsonl (rl.rollout_log).
 ENGINE_SECTIONS = ("model", "rollout", "env", "rewards", "sampler", "monitor", "seed", "rl.group_size",
-                   "rl.max_staleness")
+                   "rl.max_staleness", "rl.log_rollouts_every")
 HOST_LOCAL = {"rollout.exchange_dir", "rollout.engine_timeout_s", "rollout.devices", "env.tasks_dir", "env.eval_dir",
               "env.repo"}
 
