@@ -106,7 +106,7 @@ def test_dispatch_equals_dense_values_and_grads(backend):
         return jnp.sum(jnp.sin(backend(x, weights, idx, w)))
 
     name, _, layout = backend.partition("/")
-    split = (lambda w: dispatch.ExpertWeights(*(tuple(m) for m in w))) if layout else (lambda w: w)
+    split = dispatch.split if layout else (lambda w: w)
     assert dispatch.per_expert(split(w)) == bool(layout)
     tested = jax.value_and_grad(lambda x, weights, w: loss(dispatch.BACKENDS[name], x, weights, split(w)),
                                 (0, 1, 2))(x, weights, w)

@@ -123,7 +123,7 @@ def peer_threads(model, prompts: np.ndarray) -> dict:
 def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     """Median ms of one MoE layer's routed experts (forward) per dispatch backend at a decode step's
     shape (`batch` tokens), compiled as the engine's programs are, in the engine's layout on one CPU
-    device (per-expert arrays for the backends that take them, `dispatch.per_expert`), and the backend
+    device (per-expert arrays for the backends that take them where `dispatch.split_pays`), and the backend
     our decode program uses there."""
     from composer_jax.infer.programs import compiler_options
     from composer_jax.model import dispatch
@@ -137,7 +137,7 @@ def dispatch_at_decode(cfg, batch: int, repeats: int) -> dict:
     w = dispatch.ExpertWeights(*(jnp.asarray(0.02 * rng.normal(size=s), jnp.float32)
                                  for s in ((e, d, f), (e, d, f), (e, f, d))))
     platform = jax.default_backend()
-    split = dispatch.ExpertWeights(*(tuple(m) for m in w)) if platform == "cpu" else w
+    split = dispatch.split(w) if platform == "cpu" and dispatch.split_pays(w.gate[0].nbytes) else w
     layout = {kind: split if kind in dispatch.PER_EXPERT else w for kind in dispatch.BACKENDS}
     options = compiler_options(platform)
     calls = {kind: (lambda fn, w: lambda: fn(x, weights, idx, w))(jax.jit(fn, compiler_options=options), layout[kind])

@@ -48,6 +48,21 @@ def num_experts_of(w: ExpertWeights) -> int:
     return len(w.gate) if per_expert(w) else w.gate.shape[0]
 
 
+def split(w: ExpertWeights) -> ExpertWeights:
+    """`w`'s stacked arrays as per-expert ones (tuples of E arrays; `w` itself when already split)."""
+    return w if per_expert(w) else ExpertWeights(*(tuple(m) for m in w))
+
+
+SMALL_EXPERT_BYTES = 1 << 20   # an expert matrix under this: per-iteration overhead outweighs its reads on CPU
+
+
+def split_pays(expert_bytes: int) -> bool:
+    """Whether one CPU device's inference layout holds routed experts of `expert_bytes` a matrix as
+    per-expert arrays: smaller ones cost less to copy out of the stack than the `lax.switch` that picks a
+    per-expert array (which also compiles slower)."""
+    return expert_bytes >= SMALL_EXPERT_BYTES
+
+
 def stacked(w: ExpertWeights) -> ExpertWeights:
     """`w` with stacked arrays (per-expert ones are stacked: a copy)."""
     return ExpertWeights(*(jnp.stack(m) for m in w)) if per_expert(w) else w
@@ -144,9 +159,6 @@ def blocked(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) 
     y = jnp.zeros((tokens + 1, x.shape[1]), jnp.float32).at[token].add(out.reshape(rows, -1).astype(jnp.float32)
                                                                        * scale[:, None])
     return y[:tokens].astype(x.dtype)
-
-
-SMALL_EXPERT_BYTES = 1 << 20   # an expert matrix under this: per-iteration overhead outweighs its reads on CPU
 
 
 def inference_backend(platform: str, tokens: int, k: int, experts: int, configured: str,
