@@ -35,10 +35,12 @@ def mesh_of(x):
         mesh = getattr(x.sharding, "mesh", None)
     elif not isinstance(x, jax.Array):
         return None
-    elif hasattr(x, "sharding"):  # a concrete array (a traced one has no `.sharding`, only its type)
-        mesh = getattr(x.sharding, "mesh", None)
-    else:
+    elif isinstance(x, jax.core.Tracer):
+        # A traced array has no `.sharding`, only its type; asking for the attribute (`hasattr`) raises
+        # an error whose message walks the whole trace so far: quadratic, most of a step's tracing time.
         mesh = jax.typeof(x).sharding.mesh
+    else:
+        mesh = getattr(x.sharding, "mesh", None)
     return None if mesh is None or mesh.empty else mesh
 
 
