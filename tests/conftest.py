@@ -49,6 +49,9 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cjtests-xla-cache-")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+# Every program, not only those over a second: the CLI runs share many small ones (eager ops, the
+# checkpointer's per-device slices); measured 9% less CPU for a second `pretrain` run.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_enable_compilation_cache", False)
 
 REFERENCE_PACKAGES = ("torch", "transformers", "ray", "mkdocs")
