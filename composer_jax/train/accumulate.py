@@ -32,6 +32,10 @@ def accumulate(grad_fn: Callable, micro_batches, *, combine_aux: Callable = _add
     """Sum `grad_fn(mb) -> ((value, aux), grads)` over the leading axis of `micro_batches` (a pytree of
     [n, ...] arrays). Values and gradients add; `combine_aux(acc, aux)` folds the aux outputs (default:
     add leaf by leaf). Returns ((value, aux), grads) of the whole step."""
+    if jax.tree.leaves(micro_batches)[0].shape[0] == 1:
+        # One micro-batch: no accumulators, so `grad_fn` (the whole forward and backward pass) is traced
+        # once, not also by the `eval_shape` that sizes them (a third of a step's tracing time).
+        return grad_fn(jax.tree.map(lambda x: x[0], micro_batches))
     (value_s, aux_s), grads_s = jax.eval_shape(grad_fn, jax.tree.map(lambda x: x[0], micro_batches))
     zeros = lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=_type_sharding(s))  # noqa: E731
     first = ((zeros(value_s), jax.tree.map(zeros, aux_s)), leafwise.tree_map(zeros, grads_s))
