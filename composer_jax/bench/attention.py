@@ -64,13 +64,18 @@ def memory_shapes(model: ModelConfig, lengths) -> None:
             train_step_shapes(model, 1, seq, attention=impl)
 
 
-def kernel_inputs(seq: int, heads: int, dk: int, dv: int, dtype, rng):
-    """(q [1, seq, heads, dk], k, v [1, seq, heads, dv], mask): random, two packed documents."""
-    q, k = (jnp.asarray(rng.normal(size=(1, seq, heads, dk)), dtype) for _ in range(2))
-    v = jnp.asarray(rng.normal(size=(1, seq, heads, dv)), dtype)
-    order = jnp.arange(seq, dtype=jnp.int32)[None]
-    segments = (order >= seq // 3).astype(jnp.int32)
-    return q, k, v, causal_mask(segments, order, segments, order)
+def kernel_inputs(seq: int, heads: int, dk: int, dv: int, dtype, rng=None):
+    """(q [1, seq, heads, dk], k, v [1, seq, heads, dv], mask): random from `rng`, two packed
+    documents; with `rng` None, their ShapeDtypeStructs."""
+    def mask():
+        order = jnp.arange(seq, dtype=jnp.int32)[None]
+        segments = (order >= seq // 3).astype(jnp.int32)
+        return causal_mask(segments, order, segments, order)
+
+    shapes = ((1, seq, heads, dk), (1, seq, heads, dk), (1, seq, heads, dv))
+    if rng is None:
+        return (*(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes), jax.eval_shape(mask))
+    return (*(jnp.asarray(rng.normal(size=shape), dtype) for shape in shapes), mask())
 
 
 def kernel_grad(impl: str, scale: float):
@@ -85,7 +90,7 @@ def kernel_shapes(lengths, shapes: dict, dtype=jnp.float32) -> None:
     """Trace (shapes only) every program `kernel_section(lengths, shapes, ..., dtype)` times."""
     for heads, dk, dv in shapes.values():
         for seq in lengths:
-            args = jax.eval_shape(lambda: kernel_inputs(seq, heads, dk, dv, dtype, np.random.default_rng(1)))
+            args = kernel_inputs(seq, heads, dk, dv, dtype)
             for impl in implementations(dtype):
                 jax.eval_shape(kernel_grad(impl, dk ** -0.5), *args)
 
