@@ -5,6 +5,8 @@ NVIDIA GPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,7 +106,7 @@ def kernel_section(lengths, shapes: dict, repeats: int, dtype=jnp.float32) -> li
     for name, (heads, dk, dv) in shapes.items():
         for seq in lengths:
             args = kernel_inputs(seq, heads, dk, dv, dtype, rng)
-            fns = {impl: (lambda grad: lambda: grad(*args))(kernel_grad(impl, dk ** -0.5)) for impl in impls}
+            fns = {impl: functools.partial(kernel_grad(impl, dk ** -0.5), *args) for impl in impls}
             row = {"shape": name, "heads": heads, "dk": dk, "dv": dv, "seq": seq, "dtype": jnp.dtype(dtype).name,
                    **{f"{impl}_s": s for impl, s in medians(interleaved(fns, repeats)).items()}}
             for impl in impls:
