@@ -213,6 +213,10 @@ def test_bad_requests_and_missing_isolation_are_clear_errors(sandbox, workspace,
     monkeypatch.setattr(runner, "find_bwrap", lambda: "/bin/false")
     with pytest.raises(SandboxUnavailable, match="bubblewrap cannot create a sandbox"):
         Sandbox()
+    which = runner.shutil.which
+    monkeypatch.setattr(runner.shutil, "which", lambda name: None if name == "prlimit" else which(name))
+    with pytest.raises(SandboxUnavailable, match=r"no `prlimit` on PATH: .*\(install util-linux, e.g. `apt-get install util-linux`\)$"):
+        Sandbox()
 
 
 def test_backend_none_is_explicit_and_warns(workspace, monkeypatch):

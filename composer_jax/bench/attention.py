@@ -5,12 +5,14 @@ NVIDIA GPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.bench.timing import interleaved, medians
-from composer_jax.bench.train_step import one_device, run_config, steps_side_by_side
+from composer_jax.bench.train_step import one_device, run_config, steps_side_by_side, train_step_shapes
 from composer_jax.config import ModelConfig
 from composer_jax.model import attention_ops, cudnn_attention
 from composer_jax.model.attention_mask import causal_mask
@@ -57,6 +59,44 @@ def step_time_section(model: ModelConfig, lengths, repeats: int) -> list[dict]:
     return rows
 
 
+def memory_shapes(model: ModelConfig, lengths) -> None:
+    """`train_step_shapes` of every training step `memory_section(model, lengths)` compiles."""
+    for seq in lengths:
+        for impl in PORTABLE:
+            train_step_shapes(model, 1, seq, attention=impl)
+
+
+def kernel_inputs(seq: int, heads: int, dk: int, dv: int, dtype, rng=None):
+    """(q [1, seq, heads, dk], k, v [1, seq, heads, dv], mask): random from `rng`, two packed
+    documents; with `rng` None, their ShapeDtypeStructs."""
+    def mask():
+        order = jnp.arange(seq, dtype=jnp.int32)[None]
+        segments = (order >= seq // 3).astype(jnp.int32)
+        return causal_mask(segments, order, segments, order)
+
+    shapes = ((1, seq, heads, dk), (1, seq, heads, dk), (1, seq, heads, dv))
+    if rng is None:
+        return (*(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes), jax.eval_shape(mask))
+    return (*(jnp.asarray(rng.normal(size=shape), dtype) for shape in shapes), mask())
+
+
+def kernel_grad(impl: str, scale: float):
+    """The timed program: (q, k, v, mask) -> gradients of sum(attention ** 2) by `impl`."""
+    def loss(q, k, v, mask):
+        out = attention_ops.attention(impl, q, k, v, mask, scale)[0]
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def kernel_shapes(lengths, shapes: dict, dtype=jnp.float32) -> None:
+    """Trace (shapes only) every program `kernel_section(lengths, shapes, ..., dtype)` times."""
+    for heads, dk, dv in shapes.values():
+        for seq in lengths:
+            args = kernel_inputs(seq, heads, dk, dv, dtype)
+            for impl in implementations(dtype):
+                jax.eval_shape(kernel_grad(impl, dk ** -0.5), *args)
+
+
 def kernel_section(lengths, shapes: dict, repeats: int, dtype=jnp.float32) -> list[dict]:
     """Median seconds of one attention call's forward + backward (batch 1, two packed documents) per
     head shape {name: (heads, dk, dv)}, key length and implementation."""
@@ -65,18 +105,8 @@ def kernel_section(lengths, shapes: dict, repeats: int, dtype=jnp.float32) -> li
     impls = implementations(dtype)
     for name, (heads, dk, dv) in shapes.items():
         for seq in lengths:
-            q, k = (jnp.asarray(rng.normal(size=(1, seq, heads, dk)), dtype) for _ in range(2))
-            v = jnp.asarray(rng.normal(size=(1, seq, heads, dv)), dtype)
-            order = jnp.arange(seq, dtype=jnp.int32)[None]
-            segments = (order >= seq // 3).astype(jnp.int32)
-            mask = causal_mask(segments, order, segments, order)
-            fns = {}
-            for impl in impls:
-                def loss(q, k, v, impl=impl):
-                    out = attention_ops.attention(impl, q, k, v, mask, dk ** -0.5)[0]
-                    return jnp.sum(out.astype(jnp.float32) ** 2)
-                grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                fns[impl] = lambda grad=grad: grad(q, k, v)
+            args = kernel_inputs(seq, heads, dk, dv, dtype, rng)
+            fns = {impl: functools.partial(kernel_grad(impl, dk ** -0.5), *args) for impl in impls}
             row = {"shape": name, "heads": heads, "dk": dk, "dv": dv, "seq": seq, "dtype": jnp.dtype(dtype).name,
                    **{f"{impl}_s": s for impl, s in medians(interleaved(fns, repeats)).items()}}
             for impl in impls:

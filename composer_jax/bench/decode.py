@@ -139,6 +139,32 @@ def self_drafting(model, wrong: bool = False):
     return twin
 
 
+def fallback_config(prompt_len: int, new_tokens: int):
+    """The tiny config, randomly initialised where no trained run is given, with the positions decoded."""
+    from composer_jax import load_config
+
+    return load_config("tiny", [f"rope.max_position_embeddings={max(64, prompt_len + new_tokens + 1)}"])
+
+
+def drafting_config(name: str, prompt_len: int, new_tokens: int):
+    """The config of `speculative_sizes`' model at decode_peer.MODEL_SIZES[name]: one MTP depth,
+    positions for `prompt_len + new_tokens + 1` (in 64s)."""
+    from composer_jax import load_config
+    from composer_jax.bench.decode_peer import MODEL_SIZES
+
+    positions = max(64, -(-(prompt_len + new_tokens + 1) // 64) * 64)
+    return load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=1", f"rope.max_position_embeddings={positions}"])
+
+
+def decode_shapes(prompt_len: int, new_tokens: int, sizes: tuple) -> None:
+    """Trace (shapes only) each randomly initialised model `decode_section` decodes with, over the
+    engine's longest sequence (`prompt_len + new_tokens + 1`); a trained run brings its own config."""
+    from composer_jax.bench.shapes import forward_shapes
+
+    for cfg in (fallback_config(prompt_len, new_tokens), *(drafting_config(n, prompt_len, new_tokens) for n in sizes)):
+        forward_shapes(cfg, 1, prompt_len + new_tokens + 1)
+
+
 def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: int, reps: int,
                       batch: int = 1) -> dict:
     """Plain against speculative greedy decoding of `batch` requests per model size of
@@ -147,14 +173,13 @@ def speculative_sizes(sizes: tuple, drafts: tuple, prompt_len: int, new_tokens: 
     import numpy as np
     from flax import nnx
 
-    from composer_jax import CausalLM, load_config
+    from composer_jax import CausalLM
     from composer_jax.bench.decode_peer import MODEL_SIZES, step_bytes
     from composer_jax.infer import SamplingParams
 
-    positions = max(64, -(-(prompt_len + new_tokens + 1) // 64) * 64)
     out = {}
     for name in sizes:
-        cfg = load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=1", f"rope.max_position_embeddings={positions}"])
+        cfg = drafting_config(name, prompt_len, new_tokens)
         model = self_drafting(CausalLM(cfg, rngs=nnx.Rngs(0)))
         rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
         engine_args = dict(max_slots=batch, max_len=prompt_len + new_tokens + 1, steps_per_call=new_tokens,
@@ -174,7 +199,7 @@ def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, sizes
     import numpy as np
     from flax import nnx
 
-    from composer_jax import CausalLM, load_config
+    from composer_jax import CausalLM
     from composer_jax.infer import SamplingParams
 
     checkpoints = run_dir / "checkpoints" if run_dir is not None else None
@@ -185,8 +210,7 @@ def decode_section(run_dir: Path | None, prompt_len: int, new_tokens: int, sizes
         model, description = opened.model, opened.description
         batch = prompts(opened.tokenizer, 1, prompt_len)
     else:
-        positions = max(64, prompt_len + new_tokens + 1)
-        model = CausalLM(load_config("tiny", [f"rope.max_position_embeddings={positions}"]), rngs=nnx.Rngs(0))
+        model = CausalLM(fallback_config(prompt_len, new_tokens), rngs=nnx.Rngs(0))
         description = f"tiny, random init (no trained run{f' in {run_dir}' if run_dir else ''})"
         batch = [np.random.default_rng(0).integers(0, model.cfg.vocab_size, prompt_len).tolist()]
     max_len = min(model.cfg.rope.max_position_embeddings, prompt_len + new_tokens + 1)

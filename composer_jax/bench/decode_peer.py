@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from composer_jax.bench.shapes import forward_shapes
 from composer_jax.bench.timing import interleaved, medians
 
 # Model sizes (overrides of the bundled tiny config): `tiny` is compute- and overhead-bound; at
@@ -34,6 +35,23 @@ MODEL_SIZES = {
                      "mla.qk_rope_head_dim=32", "mla.v_head_dim=64"),
 }
 COPY_BYTES = 256 * 2**20    # the bandwidth probe's array: far over the last-level cache
+
+
+def peer_config(name: str, prompt_len: int, new_tokens: int, extra_overrides: tuple = ()):
+    """The tiny config at MODEL_SIZES[name], no MTP, positions for `prompt_len + new_tokens` (in 64s)."""
+    from composer_jax import load_config
+
+    positions = max(64, -(-(prompt_len + new_tokens) // 64) * 64)
+    return load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=0", f"rope.max_position_embeddings={positions}",
+                                *extra_overrides])
+
+
+def decode_peer_shapes(sizes: tuple, batches: tuple, prompt_len: int, new_tokens: int,
+                       extra_overrides: tuple = ()) -> None:
+    """Trace each model `decode_peer_section` builds over the largest batch and the longest sequence."""
+    for name in sizes:
+        forward_shapes(peer_config(name, prompt_len, new_tokens, extra_overrides), max(batches),
+                       prompt_len + new_tokens)
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -187,15 +205,13 @@ def decode_peer_section(sizes: tuple, batches: tuple, prompt_len: int, new_token
     """Every (model size, batch) row, the measured copy bandwidth and the machine's load."""
     import os
 
-    from composer_jax import from_pretrained, load_config
+    from composer_jax import from_pretrained
 
     out = {"copy_bandwidth_bytes_per_s": copy_bandwidth(), "prompt_len": prompt_len, "new_tokens": new_tokens,
            "repeats": repeats,
            "load_average_before": [round(x, 2) for x in os.getloadavg()], "sizes": {}}
-    positions = max(64, -(-(prompt_len + new_tokens) // 64) * 64)
     for name in sizes:
-        cfg = load_config("tiny", [*MODEL_SIZES[name], "mtp.num_layers=0",
-                                   f"rope.max_position_embeddings={positions}", *extra_overrides])
+        cfg = peer_config(name, prompt_len, new_tokens, extra_overrides)
         with tempfile.TemporaryDirectory() as tmp:
             peer = peer_checkpoint(cfg, Path(tmp))
             model = from_pretrained(tmp)

@@ -145,14 +145,45 @@ def print_planned_shares(tree, steps, chunks) -> None:
               f"planned NS FLOPs per device {share.per_device:.4g}, {share.ratio:.4f}x total / {count}")
 
 
+def jitted_update(tx):
+    """(grads, state, params) -> updates of the transformation `tx`, jitted."""
+    return jax.jit(lambda g, s, p: tx.update(g, s, p)[0])
+
+
 def build(tx_fn, params, steps):
-    """(jitted update, compiled, state, grads) for a transformation with `steps` NS steps."""
+    """(compiled update, state, grads) for a transformation with `steps` NS steps."""
     tx = tx_fn(steps)
     state = tx.init(params)
     grads = jax.tree.map(lambda p: p * 0.5 + 0.1, params)
-    update = jax.jit(lambda g, s, p: tx.update(g, s, p)[0])
-    compiled = update.lower(grads, state, params).compile()
+    compiled = jitted_update(tx).lower(grads, state, params).compile()
     return compiled, state, grads
+
+
+def contenders(tree, chunks: int) -> dict:
+    """{"ours" | "optax": (NS steps -> transformation, {leaf: NamedSharding})}: each Muon with the same
+    hyperparameters and the placement it runs on (ours: Explicit axes; optax's: Auto-axes copies)."""
+    dims = {k: d for k, (_, _, d) in tree.items()}
+    dual = dual_mesh()
+    explicit = placements(tree, dual)
+    auto = {name: auto_axes(s) for name, s in explicit.items()}
+    common = dict(learning_rate=0.02, muon_weight_dimension_numbers=dims)
+
+    def ours(steps):
+        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=chunks, meshes=dual.meshes, **common)
+
+    def theirs(steps):
+        return optax.contrib.muon(ns_steps=steps, **common)
+
+    return {"ours": (ours, explicit), "optax": (theirs, auto)}
+
+
+def muon_shapes(experts: int = 32, moe_layers: int = 2, ns_steps: int = 5, chunks: int = 4) -> None:
+    """Trace (shapes only) both updates `compare(experts, moe_layers, ns_steps, chunks)` times."""
+    tree = kimi_tree(experts=experts, moe_layers=moe_layers)
+    for tx_fn, shardings in contenders(tree, chunks).values():
+        params = {k: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=shardings[k]) for k, (shape, *_) in tree.items()}
+        tx = tx_fn(ns_steps)
+        jax.eval_shape(jitted_update(tx), params, jax.eval_shape(tx.init, params), params)
 
 
 def cost(compiled) -> dict:
@@ -178,20 +209,8 @@ def compare(experts: int = 32, moe_layers: int = 2, ns_steps: int = 5, chunks: i
     tree = kimi_tree(experts=experts, moe_layers=moe_layers)
     rng = np.random.default_rng(0)
     values = {k: (0.02 * rng.standard_normal(shape)).astype(np.float32) for k, (shape, *_) in tree.items()}
-    dims = {k: d for k, (_, _, d) in tree.items()}
-    dual = dual_mesh()
-    explicit = placements(tree, dual)
-    auto = {name: auto_axes(s) for name, s in explicit.items()}
-    common = dict(learning_rate=0.02, muon_weight_dimension_numbers=dims)
-
-    def ours(steps):
-        return muon(ns_steps=steps, ns_dtype=jnp.float32, chunks=chunks, meshes=dual.meshes, **common)
-
-    def theirs(steps):
-        return optax.contrib.muon(ns_steps=steps, **common)
-
     results = {}
-    for name, tx_fn, shardings in (("ours", ours, explicit), ("optax", theirs, auto)):
+    for name, (tx_fn, shardings) in contenders(tree, chunks).items():
         params = {k: jax.device_put(values[k], shardings[k]) for k in tree}
         compiled, state, grads = build(tx_fn, params, ns_steps)
         base, *_ = build(tx_fn, params, 1)

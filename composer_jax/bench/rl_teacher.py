@@ -13,16 +13,30 @@ import numpy as np
 from flax import nnx
 
 from composer_jax import CausalLM
+from composer_jax.bench.shapes import forward_shapes
 from composer_jax.bench.timing import flops_of, unrolled_loops
-from composer_jax.config import ModelConfig
+from composer_jax.config import ModelConfig, replace
 from composer_jax.rl import RLConfig, RLStep, RolloutBatch, teacher_slot
+
+TAIL, HINT, ROWS = 8, 4, 2   # tool-output tokens after each turn, hint tokens per flagged turn, rows per batch
+
+
+def rollout_length(prefix: int, turn: int, tail: int, slots: int) -> int:
+    """Tokens of one `rollout_batch` row."""
+    return prefix + slots * (turn + tail)
+
+
+def section_model(base: ModelConfig, prefix: int, turn: int, slots: tuple, tail: int = TAIL) -> ModelConfig:
+    """`base` with rope positions for the longest rollout `teacher_section` builds (max(slots) turns)."""
+    longest = rollout_length(prefix, turn, tail, max((1, *slots)))
+    return replace(base, **{"rope.max_position_embeddings": longest})
 
 
 def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None,
                   slots: int = 1) -> RolloutBatch:
     """`rows` trajectories: `prefix` context tokens, then `slots` times a model turn of `turn` tokens and
     a `tail`-token tool output; with `hint` (tokens), each turn is flagged with a hint of that length."""
-    seq = prefix + slots * (turn + tail)
+    seq = rollout_length(prefix, turn, tail, slots)
     starts = [prefix + k * (turn + tail) for k in range(slots)]
     tokens = np.random.default_rng(0).integers(0, model.vocab_size, (rows, seq)).astype(np.int32)
     generated = np.zeros((rows, seq), bool)
@@ -39,17 +53,24 @@ def rollout_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: i
                           teacher_map=np.asarray([[w[1] for w in row] for row in windows]))
 
 
+def step_and_batch(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None,
+                   context: str, slots: int) -> tuple[RLStep, RolloutBatch]:
+    """(the RL step on abstract weights, `rollout_batch(model, rows, prefix, turn, tail, hint, slots)`
+    validated against it): what `_lowered_step` lowers and `section_shapes` checks."""
+    batch = rollout_batch(model, rows, prefix, turn, tail, hint, slots)
+    cfg = RLConfig(group_size=rows, teacher_context=context, mtp_distill_weight=0.0)   # the teacher's cost alone
+    rl_step = RLStep(nnx.eval_shape(lambda: CausalLM(model, rngs=nnx.Rngs(0))), cfg)
+    rl_step.validate(batch)
+    return rl_step, batch
+
+
 @functools.lru_cache(maxsize=32)
 def _lowered_step(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int, hint: int | None, context: str,
                   unroll: bool, slots: int):
     """The RL step (shape-only state) lowered for `rollout_batch(model, rows, prefix, turn, tail, hint,
     slots)`; cached: tracing the step takes seconds, and a batch without a flagged turn is the same
     program whatever `context` is (pass "prefix" for it)."""
-    batch = rollout_batch(model, rows, prefix, turn, tail, hint, slots)
-    cfg = RLConfig(group_size=rows, teacher_context=context, mtp_distill_weight=0.0)   # the teacher's cost alone
-    abstract = nnx.eval_shape(lambda: CausalLM(model, rngs=nnx.Rngs(0)))
-    rl_step = RLStep(abstract, cfg)
-    rl_step.validate(batch)
+    rl_step, batch = step_and_batch(model, rows, prefix, turn, tail, hint, context, slots)
     state = jax.eval_shape(lambda: rl_step.init_state(CausalLM(model, rngs=nnx.Rngs(0))))
     with unrolled_loops() if unroll else contextlib.nullcontext():   # a fresh RLStep: a fresh trace
         return rl_step.jitted.lower(state, batch)
@@ -70,7 +91,7 @@ def step_flops(model: ModelConfig, rows: int, prefix: int, turn: int, tail: int,
 
 
 def teacher_flops(model: ModelConfig, prefix: int, turn: int, context: str = "prefix", stage: str = "compiled",
-                  rows: int = 2, hint: int = 4, tail: int = 8, unroll: bool = False,
+                  rows: int = ROWS, hint: int = HINT, tail: int = TAIL, unroll: bool = False,
                   slots: int = 1) -> tuple[float, float]:
     """(FLOPs the flagged turns add to the step, that as a share of the flagged step's FLOPs)."""
     flagged = step_flops(model, rows, prefix, turn, tail, hint, context, stage, unroll, slots)
@@ -78,17 +99,34 @@ def teacher_flops(model: ModelConfig, prefix: int, turn: int, context: str = "pr
     return flagged - plain, (flagged - plain) / flagged
 
 
-def teacher_section(model: ModelConfig, prefix: int, turn: int, slots: tuple = (2, 4), rows: int = 2) -> dict:
+def section_cases(slots: tuple) -> list[tuple[str, int]]:
+    """(teacher context, flagged turns per row) of every comparison `teacher_section` makes."""
+    return [("prefix", 1), ("full", 1)] + [("prefix", k) for k in slots]
+
+
+def section_shapes(base: ModelConfig, prefix: int, turn: int, slots: tuple, rows: int = ROWS) -> None:
+    """The flagged batch of each case `teacher_section(base, prefix, turn, slots, rows)` lowers,
+    validated against its RL step, and the model's forward over its tokens traced (shapes only: the
+    whole step traces for seconds per case; the unflagged batch has the same tokens)."""
+    model = section_model(base, prefix, turn, slots)
+    for context, k in section_cases(slots):
+        _, batch = step_and_batch(model, rows, prefix, turn, TAIL, HINT, context, k)
+        forward_shapes(model, *batch.tokens.shape)
+
+
+def teacher_section(base: ModelConfig, prefix: int, turn: int, slots: tuple = (2, 4), rows: int = ROWS) -> dict:
     """Our teacher (hint + turn over the student's latents) against the naive one, loops counted per
-    iteration, from the lowered programs (the compiled ones agree within 10%: tests/test_rl_flops.py).
+    iteration, from the lowered programs (the compiled ones agree within 10%: tests/test_rl_flops.py), on
+    `base` with positions for the longest rollout (`section_model`).
     `per_slot_over_one`: with each of `slots` flagged turns per row, our teacher's FLOPs per flagged turn
     over those with one (1.0: the cost is proportional to the hinted windows)."""
-    out = {"prefix_tokens": prefix, "turn_tokens": turn, "rows": rows}
+    model = section_model(base, prefix, turn, slots)
+    added = {case: teacher_flops(model, prefix, turn, case[0], "lowered", rows, unroll=True, slots=case[1])
+             for case in section_cases(slots)}
+    out = {"prefix_tokens": prefix, "turn_tokens": turn, "rows": rows, "positions": model.rope.max_position_embeddings}
     for context in ("prefix", "full"):
-        flops, share = teacher_flops(model, prefix, turn, context, "lowered", rows, unroll=True)
+        flops, share = added[(context, 1)]
         out[context] = {"teacher_flops": flops, "share_of_step": share}
     out["naive_over_ours"] = out["full"]["teacher_flops"] / out["prefix"]["teacher_flops"]
-    out["per_slot_over_one"] = {
-        str(k): teacher_flops(model, prefix, turn, "prefix", "lowered", rows, unroll=True, slots=k)[0]
-        / (k * out["prefix"]["teacher_flops"]) for k in slots}
+    out["per_slot_over_one"] = {str(k): added[("prefix", k)][0] / (k * out["prefix"]["teacher_flops"]) for k in slots}
     return out

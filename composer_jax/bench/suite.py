@@ -69,6 +69,39 @@ def sizes(preset: str, quick: bool) -> Sizes:
                  (32, 2), (("tiny",), (1, 8), 8, 8))
 
 
+def section_model(name: str, s: Sizes):
+    """The model config of the train_step or rl_teacher section (rl_teacher: the tiny model)."""
+    from composer_jax import load_config
+
+    return load_config(s.model if name == "train_step" else "tiny", list(s.model_overrides))
+
+
+def section_shapes(name: str, s: Sizes) -> None:
+    """Trace or lower (shapes only: nothing compiled, nothing run) every program section `name` builds
+    at sizes `s`, by the builders its run uses: a size that cannot run fails here in seconds, before
+    minutes of measuring (and in tests/test_bench_shapes.py, at every preset's sizes)."""
+    import jax.numpy as jnp
+
+    from composer_jax import load_config
+    from composer_jax.bench import attention, decode, decode_peer, dispatch, muon, rl_teacher, train_step
+
+    if name == "train_step":   # batch 0 (fill the device) is found by compiling batch 1
+        train_step.train_step_shapes(section_model(name, s), s.batch_size or 1, s.seq_len)
+    elif name == "attention":
+        attention.kernel_shapes(s.kernel_lengths, s.kernel_shapes, jnp.dtype(s.kernel_dtype))
+        attention.memory_shapes(load_config("tiny"), s.memory_lengths)
+    elif name == "dispatch":
+        dispatch.dispatch_shapes(*s.dispatch)
+    elif name == "rl_teacher":
+        rl_teacher.section_shapes(section_model(name, s), *s.teacher)
+    elif name == "decode":
+        decode.decode_shapes(*s.decode)
+    elif name == "decode_peer":
+        decode_peer.decode_peer_shapes(*s.decode_peer, s.model_overrides)
+    else:
+        muon.muon_shapes(*s.muon)
+
+
 def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     import jax.numpy as jnp
 
@@ -77,7 +110,7 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     if name == "train_step":
         from composer_jax.bench.train_step import device_memory_bytes, fitting_batch, train_step_section
 
-        model, batch, sized = load_config(s.model, list(s.model_overrides)), s.batch_size, {}
+        model, batch, sized = section_model(name, s), s.batch_size, {}
         if not batch:
             budget = FILL_FRACTION * (device_memory_bytes() or 0)
             batch = fitting_batch(model, s.seq_len, budget) if budget else 1
@@ -97,9 +130,7 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
     if name == "rl_teacher":
         from composer_jax.bench.rl_teacher import teacher_section
 
-        prefix, turn, slots = s.teacher
-        return teacher_section(load_config("tiny", [f"rope.max_position_embeddings={prefix + turn + 64}",
-                                                    *s.model_overrides]), prefix, turn, slots)
+        return teacher_section(section_model(name, s), *s.teacher)   # positions: the longest rollout it builds
     if name == "decode":
         from composer_jax.bench.decode import decode_section
 
@@ -122,6 +153,9 @@ def run(preset: str, quick: bool, sections=SECTIONS, decode_run: Path | None = N
     import jax
 
     s = sizes(preset, quick)
+    for name in sections:   # seconds: a size that cannot run fails before any section is measured
+        progress(f"bench: {name} shapes ...")
+        section_shapes(name, s)
     results = {"environment": {"jax": jax.__version__, "backend": jax.default_backend(),
                                "device": jax.devices()[0].device_kind, "devices": len(jax.devices()),
                                "machine": platform.machine(), "cpus": os.cpu_count(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from composer_jax.bench.shapes import forward_shapes
 from composer_jax.bench.timing import flops_of, interleaved, medians, unrolled_loops
 from composer_jax.config import MeshConfig, ModelConfig, replace
 from composer_jax.model.accounting import model_info
@@ -88,6 +89,13 @@ def steps_side_by_side(cfgs: dict[str, RunConfig], repeats: int, seed: int = 0) 
         return call
 
     return interleaved({name: run(name) for name in cfgs}, repeats)
+
+
+def train_step_shapes(model: ModelConfig, batch_size: int, seq_len: int, **model_keys) -> None:
+    """The run config `train_step_section` trains (`run_config`, validated) and its model's forward
+    over a batch, traced (shapes only; the whole step takes seconds more to trace)."""
+    cfg = run_config(model, batch_size, seq_len, **model_keys)
+    forward_shapes(cfg.model, batch_size, seq_len)
 
 
 def train_step_section(model: ModelConfig, batch_size: int, seq_len: int, repeats: int) -> dict:

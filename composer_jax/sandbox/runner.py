@@ -160,8 +160,8 @@ class Sandbox:
         self.backend = backend
         self.limits = limits or Limits()
         if shutil.which("prlimit") is None:
-            raise SandboxUnavailable("no `prlimit` on PATH (util-linux): the sandbox sets CPU and file-size limits "
-                                     "with it")
+            raise SandboxUnavailable("no `prlimit` on PATH: the sandbox sets CPU and file-size limits with it "
+                                     "(install util-linux, e.g. `apt-get install util-linux`)")
         if backend == "bwrap":
             self._bwrap = find_bwrap()
             _probe_bwrap(self._bwrap)
