@@ -42,15 +42,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # The test processes and the CLI runs they start (restarts, process groups, engines) compile the same
 # programs again and again: they share one persistent compilation cache for the session (created by
-# the controller, inherited by xdist workers and their subprocesses; the file lock that a size bound
-# turns on keeps concurrent readers off half-written entries). Every program is kept, not only those
-# over a second: most are small (eager ops, the checkpointer's per-device slices). A program read back
-# from the cache reports the same memory and cost analysis; its HLO text differs only in source-line
-# metadata.
+# the controller, inherited by xdist workers and their subprocesses). Every program is kept, not only
+# those over a second: most are small (eager ops, the checkpointer's per-device slices). A program read
+# back from the cache reports the same memory and cost analysis; its HLO text differs only in source-line
+# metadata. No size bound: with one, jax locks the directory for every read and write and stats every
+# entry on each write (4,000 entries made one RL-loop test 4x slower). An entry read while another
+# process still writes it fails to decompress, and jax then compiles the program itself.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="cjtests-xla-cache-")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
