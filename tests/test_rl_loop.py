@@ -58,6 +58,7 @@ def _records(run_dir):
     return [r for r in read_metrics(run_dir) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_staleness_zero_equals_a_synchronous_loop(tmp_path):
     """rl.max_staleness=0: the asynchronous loop's losses, rewards and trained prompts equal those of a
     plain loop that samples a batch with the current weights, then trains on it, step after step. Its
@@ -144,6 +145,7 @@ def _check_rollout_lines(lines, played, records, tokenizer):
     assert any(max(x.reward for x in b.values()) > min(x.reward for x in b.values()) for b in played.values())
 
 
+@pytest.mark.slow
 def test_staleness_bound_and_lost_rollouts(tmp_path):
     """rl.max_staleness=2 with the engine on its own 4 devices (the learner on the other 4): every trained row's tokens come from a
     version at most 2 behind the learner's (and the producer does run ahead); an environment that

@@ -183,6 +183,7 @@ def distil(model: CausalLM, lr: float = 5e-5, **rl) -> tuple[np.ndarray, np.ndar
     return np.stack(unhinted), np.stack(hinted)
 
 
+@pytest.mark.slow   # ~37 s: the first user of the module's `hint_reader` trains it
 def test_the_teacher_sees_the_hint_before_the_students_turn(hint_reader):
     """The prefix teacher's prediction of a flagged turn's first token is the model's own prediction
     after [prompt + hint insert]: the hint sits where the student's turn begins, and slot j of the
