@@ -114,7 +114,7 @@ def _run_plan(args) -> int:
     if found:
         _print_search(found, args.top, hw)
     if not fits(report.train.total, hw.hbm_gb):
-        _print_remedy(args, cfg, hw, fixed, options)
+        _print_remedy(args, cfg, hw, fixed, options, found or None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
@@ -152,11 +152,12 @@ def _print_search(found, top: int, hw) -> None:
         print("  none fits")
 
 
-def _print_remedy(args, cfg, hw, fixed: set[str], options: dict) -> None:
-    """After a plan that does not fit: the fastest layout that does, or why none does."""
+def _print_remedy(args, cfg, hw, fixed: set[str], options: dict, searched) -> None:
+    """After a plan that does not fit: the fastest layout that does, or why none does (`searched`: the
+    search already run for `--search`, or None)."""
     from composer_jax.plan.search import best_fitting, changed, largest_term
 
-    best, candidates = best_fitting(cfg, args.devices, hw, fixed, **options)
+    best, candidates = best_fitting(cfg, args.devices, hw, fixed, searched, **options)
     if best is not None:
         print(f"\ndoes not fit in {hw.hbm_gb:g} GB; the fastest layout that fits ({best.plan.total / 1e9:.1f} GB, "
               f"{best.time.total_s:.3g} s/step estimated): {' '.join(f'{k}={v}' for k, v in changed(cfg, best).items())}")

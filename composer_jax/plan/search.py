@@ -128,11 +128,12 @@ def changed(cfg: RunConfig, candidate: Candidate) -> dict[str, object]:
     return {k: v for k, v in candidate.settings.items() if now[k] != v}
 
 
-def best_fitting(cfg: RunConfig, devices: int, hw: Hardware, fixed: set[str], **options) -> tuple[Candidate | None,
-                                                                                                      list[Candidate]]:
+def best_fitting(cfg: RunConfig, devices: int, hw: Hardware, fixed: set[str], searched: list[Candidate] | None = None,
+                 **options) -> tuple[Candidate | None, list[Candidate]]:
     """(the fastest layout that fits, keeping the `fixed` keys, else keeping none; or None) and the
-    candidates searched last (the smallest first when none fits)."""
-    candidates = search(cfg, devices, hw, fixed=fixed, **options)
+    candidates searched last (the smallest first when none fits). `searched`: the search keeping `fixed`,
+    when it has run already."""
+    candidates = search(cfg, devices, hw, fixed=fixed, **options) if searched is None else searched
     if fixed and not any(c.fits for c in candidates):
         candidates = search(cfg, devices, hw, **options)
     return (candidates[0] if candidates and candidates[0].fits else None), candidates
