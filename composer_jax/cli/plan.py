@@ -233,9 +233,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--platform", choices=("gpu", "cpu"), default="gpu",
                    help="where the step runs, for model.attention=auto: gpu (cuDNN where it applies, else "
                         "blockwise) or cpu (the dense reference up to 1024 keys, else blockwise); default gpu")
-    p.add_argument("--grouped-matmul", choices=("expanded", "kernel"), default="expanded",
-                   help="how ragged_dot runs: XLA's expansion over a masked [experts, rows, width] copy (CPU, and "
-                        "GPU without a grouped kernel) or a grouped-GEMM kernel (default: expanded)")
+    p.add_argument("--grouped-matmul", choices=("expanded", "kernel", "blocked"),
+                   help="how the MoE's grouped matmuls run: XLA's ragged_dot expanded over a masked [experts, rows, "
+                        "width] copy (GPU without a grouped kernel), a grouped-GEMM kernel, or blocks of one "
+                        "expert's rows (CPU) (default: blocked on --platform cpu, else expanded)")
     p.add_argument("--rl-slots", type=non_negative_int, default=1,
                    help="RL feedback windows per trajectory (default 1; 0: no self-distillation teacher)")
     p.add_argument("--rl-window", type=positive_int, default=2048, help="tokens per RL feedback window (default 2048)")

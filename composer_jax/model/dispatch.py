@@ -98,6 +98,65 @@ def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights, ba
 dense_batched = functools.partial(dense, batched=True)
 
 
+def platform() -> str:
+    """The platform the program being traced is built for: its mesh's devices' (a deviceless compile for
+    a GPU topology runs on CPU), else the process's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def grouped_block_rows(rows: int, experts: int) -> int:
+    """Rows per block of `grouped_swiglu` on CPU: about half an expert's even share of `rows`, a power of
+    two in [8, 128]. Each expert's last block is padded (up to experts * (block - 1) rows of waste), and
+    each block copies its expert's matrices (fewer, larger blocks copy less)."""
+    half_share = max(1, rows // (2 * experts))
+    return min(128, max(8, 1 << (half_share.bit_length() - 1)))
+
+
+def _group_of(starts: jax.Array, length: int) -> jax.Array:
+    """int32[length]: for each position, the last group whose start (starts: int[groups], nondecreasing,
+    from 0) is at or before it; positions past the last group's end count as the last group. A count of
+    group starts per position and its running sum (no search loop)."""
+    marks = jnp.zeros((length,), jnp.int32).at[starts[1:]].add(1, mode="drop")
+    return jnp.cumsum(marks)
+
+
+def grouped_swiglu(xs: jax.Array, sizes: jax.Array, w: ExpertWeights) -> jax.Array:
+    """SwiGLU of rows grouped by expert. xs: [rows, embed], sorted so that its first sizes[0] rows go to
+    expert 0, the next sizes[1] to expert 1, ...; sizes: int32[experts] (sum <= rows; rows past the
+    groups give 0); w: stacked. Returns [rows, embed].
+
+    Off CPU: `jax.lax.ragged_dot` (grouped matmul kernels). XLA:CPU lowers `ragged_dot` to a dense matmul
+    against every expert with the other groups masked (experts times the work: 40x slower than the
+    grouped product at 16 experts, tools/bench_train_peer.py), so on CPU the groups are laid out in blocks
+    of `grouped_block_rows` rows of one expert each (each group's last block padded with zero rows), and
+    one batched matmul multiplies every block by its expert's matrices."""
+    rows, embed = xs.shape
+    experts = sizes.shape[0]
+    if platform() != "cpu":
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, w.gate, sizes)) * jax.lax.ragged_dot(xs, w.up, sizes)
+        out = jax.lax.ragged_dot(h, w.down, sizes)
+        return jnp.where((jnp.arange(rows) < sizes.sum())[:, None], out, 0)
+    block = grouped_block_rows(rows, experts)
+    blocks = -(-(rows + experts * (block - 1)) // block)      # the most any grouping needs
+    padded = -(-sizes // block) * block
+    padded_end, end = jnp.cumsum(padded), jnp.cumsum(sizes)
+    padded_start, start = padded_end - padded, end - sizes
+    slot = jnp.arange(blocks * block)
+    slot_expert = _group_of(padded_start, blocks * block)
+    offset = slot - padded_start[slot_expert]
+    source = jnp.where(offset < sizes[slot_expert], start[slot_expert] + offset, rows)   # rows: a zero row
+    zero = jnp.zeros((1, embed), xs.dtype)
+    xb = jnp.concatenate([xs, zero])[source].reshape(blocks, block, embed)
+    gate, up, down = (jnp.take(m, slot_expert[::block], axis=0) for m in w)   # [blocks, ...] each
+    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xb, gate)) * jnp.einsum("nbd,ndf->nbf", xb, up)
+    out = jnp.einsum("nbf,nfd->nbd", h, down).reshape(blocks * block, embed)
+    row = jnp.arange(rows)
+    row_expert = _group_of(start, rows)
+    dest = jnp.where(row < end[-1], padded_start[row_expert] + row - start[row_expert], blocks * block)
+    return jnp.concatenate([out, zero.astype(out.dtype)])[dest]
+
+
 def ragged(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -> jax.Array:
     w = stacked(w)
     tokens, k = idx.shape
@@ -107,8 +166,7 @@ def ragged(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -
     token_of = order // k                                      # source token of each sorted assignment
     group_sizes = jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32)
     xs = jnp.take(x, token_of, axis=0)                         # [tokens*k, embed]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w.gate, group_sizes)) * jax.lax.ragged_dot(xs, w.up, group_sizes)
-    out = jax.lax.ragged_dot(h, w.down, group_sizes).astype(jnp.float32)
+    out = grouped_swiglu(xs, group_sizes, w).astype(jnp.float32)
     out = out * jnp.take(weights.reshape(-1), order)[:, None]
     y = jnp.zeros((tokens, x.shape[-1]), jnp.float32).at[token_of].add(out)
     return y.astype(x.dtype)

@@ -58,11 +58,8 @@ def _expert_ffn(x: jax.Array, local_expert: jax.Array, w: ExpertWeights) -> jax.
     num_local = w.gate.shape[0]
     order = jnp.argsort(local_expert, stable=True)
     sizes = jnp.bincount(local_expert, length=num_local + 1)[:num_local].astype(jnp.int32)
-    xs = jnp.take(x, order, axis=0)
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w.gate, sizes)) * jax.lax.ragged_dot(xs, w.up, sizes)
-    out = jax.lax.ragged_dot(h, w.down, sizes)
-    valid = (jnp.arange(x.shape[0]) < sizes.sum())[:, None]  # rows past the groups: empty slots
-    return jnp.zeros_like(out).at[order].set(jnp.where(valid, out, 0))
+    out = dispatch.grouped_swiglu(jnp.take(x, order, axis=0), sizes, w)   # rows past the groups: empty slots, 0
+    return jnp.zeros_like(out).at[order].set(out)
 
 
 def capacity(tokens: int, k: int, num_local: int, ep: int, factor: float) -> int:

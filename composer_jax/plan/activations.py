@@ -21,10 +21,11 @@ Rematerialisation per layer (`train.remat`): `none` keeps all of that; `dots` ke
 projections (matmuls without batch dimensions: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
 and recomputes the rest; `full` keeps each layer's input only and recomputes the layer in its backward.
 
-Backend-specific working memory: `jax.lax.ragged_dot` lowers on XLA (CPU, and GPU without a grouped
-kernel) to a dense dot over a group-masked copy of its input, [experts, rows, width]
-(`grouped_matmul="expanded"`); a grouped kernel (tokamax, Megablox, cuDNN) needs none
-(`grouped_matmul="kernel"`).
+Backend-specific working memory of the grouped matmuls (`dispatch.grouped_swiglu`): on CPU they run
+in blocks of rows of one expert, each block with a copy of its expert's matrices (`"blocked"`); elsewhere
+`jax.lax.ragged_dot`, which XLA (GPU without a grouped kernel) lowers to a dense dot over a
+group-masked copy of its input, [experts, rows, width] (`"expanded"`); a grouped kernel (tokamax,
+Megablox, cuDNN) needs none (`"kernel"`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,23 @@ import dataclasses
 from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.model.attention_ops import IMPLEMENTATIONS, REFERENCE_MAX_KEYS
 from composer_jax.model.blockwise import K_BLOCK, Q_BLOCK
+from composer_jax.model.dispatch import grouped_block_rows
 from composer_jax.model.expert_parallel import dispatch_rows
 
 F32 = 4
 PLATFORMS = ("gpu", "cpu")
 REMAT_POLICIES = ("none", "dots", "full")
-GROUPED_MATMULS = ("expanded", "kernel")
+GROUPED_MATMULS = ("expanded", "kernel", "blocked")
+
+
+def planned_grouped_matmul(platform: str, grouped_matmul: str | None) -> str:
+    """`grouped_matmul` (one of GROUPED_MATMULS), or where None the one `platform` runs: blocked on CPU
+    (`dispatch.grouped_swiglu`), XLA's expanded `ragged_dot` on a GPU."""
+    if grouped_matmul is None:
+        return "blocked" if platform == "cpu" else "expanded"
+    if grouped_matmul not in GROUPED_MATMULS:
+        raise ConfigError("--grouped-matmul", f"must be one of {GROUPED_MATMULS}, got {grouped_matmul!r}")
+    return grouped_matmul
 
 
 def planned_attention(cfg: ModelConfig, name: str, platform: str, keys: int, cp: int, prefix: bool = False) -> str:
@@ -185,8 +197,15 @@ def ffn_working(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float
         sizes = dispatch_rows(kind, t, k, e // s.ep, s.ep, factor)
         rows, experts = sizes["receive"], e // s.ep
         buffers = 2 * (sizes["send"] + sizes["receive"]) * d * dt
-    expanded = experts * rows * (3 * max(d, f) + min(d, f)) * dt if grouped_matmul == "expanded" else 0
-    return buffers + expanded + 2 * rows * max(d, f) * dt
+    if grouped_matmul == "expanded":
+        grouped = experts * rows * (3 * max(d, f) + min(d, f)) * dt
+    elif grouped_matmul == "blocked":   # each block's copy of its expert's matrices, and the rows in blocks
+        block = grouped_block_rows(rows, experts)
+        blocks = -(-(rows + experts * (block - 1)) // block)
+        grouped = (3 * blocks * d * f + blocks * block * (d + 2 * f)) * dt
+    else:
+        grouped = 0
+    return buffers + grouped + 2 * rows * max(d, f) * dt
 
 
 def remat_saved(saved: dict[str, int], remat: str, cfg: ModelConfig, s: Shapes, moe: bool, dt: int) -> dict[str, int]:

@@ -57,14 +57,14 @@ class MemoryPlan:
         return out
 
 
-def resolve_settings(cfg: RunConfig, attention: str | None, grouped_matmul: str, optimizer: str, platform: str,
-                     keys: int, cp: int, prefix: bool = False):
-    """(the attention implementation that runs, the settings a plan reports). `attention` overrides
-    `model.attention`; 'auto' resolves for `platform` (`activations.planned_attention`)."""
+def resolve_settings(cfg: RunConfig, attention: str | None, grouped_matmul: str | None, optimizer: str,
+                     platform: str, keys: int, cp: int, prefix: bool = False):
+    """(the attention implementation that runs, the grouped matmul, the settings a plan reports).
+    `attention` overrides `model.attention`; 'auto' resolves for `platform`
+    (`activations.planned_attention`), and so does a grouped matmul of None."""
     attention = act.planned_attention(cfg.model, attention or cfg.model.attention, platform, keys, cp, prefix)
-    if grouped_matmul not in act.GROUPED_MATMULS:
-        raise ConfigError("--grouped-matmul", f"must be one of {act.GROUPED_MATMULS}, got {grouped_matmul!r}")
-    return attention, {"attention": attention, "remat": cfg.train.remat, "dispatch": cfg.model.moe.dispatch,
+    grouped_matmul = act.planned_grouped_matmul(platform, grouped_matmul)
+    return attention, grouped_matmul, {"attention": attention, "remat": cfg.train.remat, "dispatch": cfg.model.moe.dispatch,
                        "capacity_factor": str(cfg.model.moe.capacity_factor), "grouped_matmul": grouped_matmul,
                        "optimizer": optimizer, "platform": platform}
 
@@ -93,7 +93,7 @@ def stacked(layers) -> dict[str, int]:
 
 
 def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attention: str | None = None,
-               grouped_matmul: str = "expanded", platform: str = "gpu") -> MemoryPlan:
+               grouped_matmul: str | None = None, platform: str = "gpu") -> MemoryPlan:
     """The training step's per-device memory on `devices` devices laid out by `cfg.mesh`; `seq`
     overrides `train.seq_len` (rows per device stay `train.batch_size / grad_accum` over the data
     axes); `attention` overrides `model.attention`."""
@@ -103,8 +103,8 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
     if sizes["cp"] > 1 and seq % (2 * sizes["cp"]):
         raise ConfigError("mesh.cp", f"cp={sizes['cp']} needs a sequence length divisible by {2 * sizes['cp']}, "
                                      f"got {seq}")
-    attention, settings = resolve_settings(cfg, attention, grouped_matmul, cfg.optimizer.name, platform, seq,
-                                           sizes["cp"])
+    attention, grouped_matmul, settings = resolve_settings(cfg, attention, grouped_matmul, cfg.optimizer.name,
+                                                           platform, seq, sizes["cp"])
     leaves = param_leaves(model, sizes)
     state = state_bytes(leaves, cfg.optimizer.name, train.grad_accum)
     micro = train.batch_size // train.grad_accum

@@ -29,7 +29,7 @@ F32 = act.F32
 
 
 def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, slots: int, window: int,
-            attention: str | None = None, grouped_matmul: str = "expanded", platform: str = "gpu") -> MemoryPlan:
+            attention: str | None = None, grouped_matmul: str | None = None, platform: str = "gpu") -> MemoryPlan:
     """Per-device memory of one RL step on `rows` trajectories of `seq` tokens with `slots` feedback
     windows of `window` tokens per row (`slots=0`: no self-distillation), on `cfg`'s model and layout,
     with `rl`'s optimizer, micro-batches and remat policy (the student keeps what a training step keeps
@@ -40,8 +40,9 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
         raise ConfigError("mesh.cp", "the RL step's prefix teacher runs without context parallelism: set mesh.cp=1")
     # one implementation for the student and the teacher: the one the prefix teacher can run
     prefix = bool(slots) and rl.teacher_context == "prefix"
-    attention, settings = resolve_settings(cfg, attention, grouped_matmul, rl.optimizer.name, platform,
-                                           seq + window if slots else seq, sizes["cp"], prefix)
+    attention, grouped_matmul, settings = resolve_settings(cfg, attention, grouped_matmul, rl.optimizer.name,
+                                                           platform, seq + window if slots else seq, sizes["cp"],
+                                                           prefix)
     dt = 4 if model.dtype == "float32" else 2
     leaves = param_leaves(model, sizes)
     count = rl.micro_batches(rows)

@@ -100,7 +100,7 @@ def with_settings(cfg: RunConfig, settings: dict[str, object]) -> RunConfig:
 
 
 def search(cfg: RunConfig, devices: int, hw: Hardware, *, fixed: set[str] = frozenset(), platform: str = "gpu",
-           attention: str | None = None, grouped_matmul: str = "expanded") -> list[Candidate]:
+           attention: str | None = None, grouped_matmul: str | None = None) -> list[Candidate]:
     """Every candidate layout planned and timed: those that fit first, fastest first, then the rest by
     memory. `fixed`: dotted keys that keep the config's value."""
     out = []
@@ -110,7 +110,7 @@ def search(cfg: RunConfig, devices: int, hw: Hardware, *, fixed: set[str] = froz
             plan = plan_train(layout, devices, attention=attention, grouped_matmul=grouped_matmul, platform=platform)
         except ConfigError:      # a combination the run cannot take (e.g. the micro-batch over the data axes)
             continue
-        time = step_time(layout, plan, hw, grouped_matmul)
+        time = step_time(layout, plan, hw)
         out.append(Candidate(settings, plan, time, fits(plan.total, hw.hbm_gb)))
     return sorted(out, key=lambda c: (not c.fits, c.time.total_s if c.fits else c.plan.total, c.plan.total))
 

@@ -5,7 +5,7 @@ crosses, with no overlap between them (an upper bound that XLA's latency-hiding 
 - Compute: the model's training FLOPs per token (`model.accounting`: 6 x active matmul parameters plus
   causal attention) x the step's tokens / devices; the routed experts' share x the experts each device
   runs through XLA's expanded `ragged_dot` (a dense dot over a masked [experts, rows, width] copy;
-  x 1 with a grouped-matmul kernel); remat `full` adds the forward again (x 4/3), `dots` the attention's
+  x 1 with a grouped-matmul kernel or CPU's blocks, whose padding is not counted); remat `full` adds the forward again (x 4/3), `dots` the attention's
   forward (its scores are not saved); Muon's Newton-Schulz FLOPs / devices at the bf16 or float32 rate.
 - Collectives, per device: FSDP gathers each layer's dense weights (compute dtype) in the forward and,
   under remat, again in the backward, and reduce-scatters their gradients (parameter dtype), per
@@ -109,7 +109,7 @@ def compute_seconds(cfg: RunConfig, plan: MemoryPlan, hw: Hardware, grouped_matm
     total, experts, attention = _flops_per_token(_architecture(model), plan.seq)
     dispatch = model.moe.dispatch
     local = model.moe.n_routed_experts // (1 if dispatch in ("ragged", "dense") else sizes["ep"])
-    flops = total + experts * ((local if grouped_matmul == "expanded" else 1) - 1)
+    flops = total + experts * ((local if grouped_matmul == "expanded" else 1) - 1)   # blocked: ~ its padding
     flops += {"none": 0, "dots": attention / 3, "full": flops / 3}[train.remat]
     seconds = flops * train.batch_size * plan.seq / plan.devices / hw.flops
     if cfg.optimizer.name == "muon":
@@ -174,12 +174,13 @@ def _weights(model: ModelConfig, sizes: tuple) -> tuple[dict, dict, dict]:
     return whole, elems, muon
 
 
-def step_time(cfg: RunConfig, plan: MemoryPlan, hw: Hardware, grouped_matmul: str = "expanded") -> StepTime:
-    """The estimated step time of `cfg` laid out as `plan` on `hw` (module docstring)."""
+def step_time(cfg: RunConfig, plan: MemoryPlan, hw: Hardware) -> StepTime:
+    """The estimated step time of `cfg` laid out as `plan` on `hw` (module docstring), with the grouped
+    matmul the plan was made for."""
     seconds, moved = {}, {}
     for name, (n, axes) in collective_bytes(cfg, plan).items():
         mesh = DENSE_AXES if axes[0] in DENSE_AXES else EXPERT_AXES
         within = span(plan.sizes, mesh, axes) <= hw.devices_per_node
         seconds[name] = n / (hw.intra_bw if within else hw.inter_bw)
         moved[name] = n
-    return StepTime(compute_seconds(cfg, plan, hw, grouped_matmul), seconds, moved)
+    return StepTime(compute_seconds(cfg, plan, hw, plan.settings["grouped_matmul"]), seconds, moved)
