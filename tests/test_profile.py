@@ -81,7 +81,7 @@ def test_self_times_subtract_nested_ops(tmp_path):
     assert times == {"while.4": 50.0, "dot.1": 70.0, "fusion.2": 20.0}
     result = profile.breakdown(times, profile.hlo_sources(HLO), steps=2)
     assert result["total_ms_per_step"] == pytest.approx(0.07)
-    assert dict((n, ms) for n, ms, _ in result["components"]) == pytest.approx(
+    assert {n: ms for n, ms, _ in result["components"]} == pytest.approx(
         {profile.EXPERTS: 0.035, profile.NO_SOURCE: 0.025, "router": 0.01})
     assert "| moe experts | 0.035 | 50.0 |" in profile.markdown(result, top=2)
 

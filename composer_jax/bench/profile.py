@@ -16,7 +16,10 @@ import dataclasses
 import gzip
 import json
 import re
+import time
 from pathlib import Path
+
+import jax
 
 # (component, function names, file name endings); the first match walking a stack outward wins.
 COMPONENTS = (
@@ -32,7 +35,9 @@ COMPONENTS = (
     ("optimizer", (), ("train/update.py", "train/optimizer.py", "parallel/leafwise.py")),
     ("resharding", (), ("parallel/mesh.py", "parallel/partitioning.py", "model/sequence.py")),
 )
-EXPERTS = "moe experts"     # the matmuls of model/dispatch.py: the routed experts' weights
+# The matmuls of the dispatch modules: the routed experts' weights (under `dense` dispatch also its
+# one-hot combine, an einsum too).
+EXPERTS = "moe experts"
 # Cross-device operations, most inserted by the partitioner with a neighbour's metadata: their own group.
 COLLECTIVES = "collectives"
 COLLECTIVE_OPCODES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
@@ -71,8 +76,9 @@ def _field(row: str, key: str) -> int:
 
 
 def stack_of(tables: dict, frame: int) -> tuple:
-    """((file, function), ...) from `frame` outward. The text writes each frame's parent as its id + 1
-    (1: no parent)."""
+    """((file, function), ...) from `frame` outward. The text (jax 0.10.2's XLA) writes each frame's
+    parent as its id + 1 (1: no parent): so read, the frames of a step chain from the model's innermost
+    function out to the script that called the step."""
     files, functions = tables.get("FileNames", {}), tables.get("FunctionNames", {})
     locations, frames = tables.get("FileLocations", {}), tables.get("StackFrames", {})
     out, seen = [], set()
@@ -118,7 +124,8 @@ def component(source: Source | None) -> str:
 
 def op_self_times(trace_file: Path, module: str) -> dict[str, float]:
     """{hlo op: self time in µs summed over all its executions (all devices)} of `module`'s ops."""
-    events = json.loads(gzip.open(trace_file).read())["traceEvents"]
+    with gzip.open(trace_file) as f:
+        events = json.load(f)["traceEvents"]
     by_thread = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
@@ -127,7 +134,7 @@ def op_self_times(trace_file: Path, module: str) -> dict[str, float]:
     totals = collections.Counter()
     for spans in by_thread.values():
         spans.sort(key=lambda s: (s[0], -s[1]))
-        open_spans = []        # [end, name, child time] of the enclosing ops
+        open_spans = []        # [end, name, nested ops' time, duration] of the enclosing ops
         for start, dur, name in spans:
             while open_spans and open_spans[-1][0] <= start:
                 _close(open_spans.pop(), totals)
@@ -140,7 +147,7 @@ def op_self_times(trace_file: Path, module: str) -> dict[str, float]:
 
 
 def _close(span: list, totals: collections.Counter) -> None:
-    end, name, children, dur = span
+    _, name, children, dur = span
     totals[name] += max(dur - children, 0.0)
 
 
@@ -151,11 +158,7 @@ def module_name(text: str) -> str:
 
 def profile(step, compiled_text: str, steps: int, log_dir: Path) -> dict:
     """`breakdown` of `steps` calls of `step` (compiled already; each call's outputs waited for) traced
-    into `log_dir`, with the median wall seconds of a step."""
-    import time
-
-    import jax
-
+    into `log_dir`, with the median wall time of a step."""
     walls = []
     with jax.profiler.trace(str(log_dir)):
         for _ in range(steps):
