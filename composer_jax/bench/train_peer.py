@@ -44,6 +44,7 @@ HELD_OUT = ("model=tiny", "model.hidden_size=256", "model.intermediate_size=768"
 NO_MTP = ("model.mtp.num_layers=0",)
 # Neither side reads the run's data (both train on one fixed batch): a few files, not the whole stdlib
 # the recipe lists (seconds per run built).
+SCHEDULE_STEPS = 1000    # the peer's learning rates follow ours this far (a bench takes a few dozen steps)
 FEW_FILES = ("data.glob=json/*.py", "data.eval_fraction=0")
 
 
@@ -161,12 +162,14 @@ class Peer:
         groups = [{"params": decayed, "weight_decay": o.weight_decay},
                   {"params": [p for _, p in named if id(p) not in ids], "weight_decay": 0.0}]
         self.opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
-        self.max_norm, self.schedule, self.step = o.max_grad_norm, schedule, 0
+        # Our schedule's rates, computed once: no JAX call inside the loop's timed steps.
+        self.rates = np.asarray(jax.vmap(schedule)(np.arange(SCHEDULE_STEPS)), np.float64)
+        self.max_norm, self.step = o.max_grad_norm, 0
         self.ids = torch.as_tensor(tokens, dtype=torch.long)
 
     def __call__(self) -> float:
         for group in self.opt.param_groups:
-            group["lr"] = float(self.schedule(self.step))
+            group["lr"] = float(self.rates[min(self.step, SCHEDULE_STEPS - 1)])
         loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         if self.max_norm:
