@@ -6,7 +6,7 @@ on the same checkpoint, side by side per shape (composer_jax/bench/train_peer.py
 
 Our side runs on the recipe's fake CPU devices (train.cpu_devices of configs/pretrain-tiny.yaml), as
 `composer-jax pretrain` does. Prints one line per row: tokens/s of ours and of torch, the ratio, the
-first step's losses of both; and per shape the compiled over model FLOPs per token.
+first two steps' losses of both; and per shape the compiled over model FLOPs per token.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
         t = r["torch"]
         for row in r["rows"]:
             print(f"{shape:>12} {row['name']:<50} {row['tokens_per_s']:9.1f} tok/s, torch {t['tokens_per_s']:9.1f} "
-                  f"tok/s ({t['threads']} threads): x{row['over_torch']:.2f}; first loss {row['first_loss']:.6f} "
-                  f"vs {t['first_loss']:.6f}")
+                  f"tok/s ({t['threads']} threads): x{row['over_torch']:.2f}; losses {row['first_loss']:.6f}, "
+                  f"{row['second_loss']:.6f} vs {t['first_loss']:.6f}, {t['second_loss']:.6f}")
         print(f"{shape:>12} FLOPs/token: compiled {r['compiled_flops_per_token']:.4g} ({r['compiled_flops_counted']}), "
               f"model {r['model_flops_per_token']:.4g}: x{r['compiled_over_model_flops']:.2f}")
     print(f"wrote {args.json}")

@@ -11,7 +11,7 @@ ours), global-norm clipping at the same norm, loss = mean next-token cross-entro
 fp32, torch threads = the machine's cores. MTP is off on both sides. Each row of the batch is one
 document (positions 0..S-1, one segment, loss on every token), the case both sides define alike, so
 the first step's losses must agree to fp32 rounding: the independent check that they train the same
-model. Per shape: tokens/s of each, the ratios, the model FLOPs per token (`model.accounting`), the
+model (the second step's, after one update, nearly). Per shape: tokens/s of each, the ratios, the model FLOPs per token (`model.accounting`), the
 compiled step's FLOPs per token (every loop unrolled, all devices) and their ratio.
 """
 
@@ -190,7 +190,7 @@ def row_name(settings: tuple) -> str:
 
 def compare_shape(name: str, settings: tuple, repeats: int, directory: Path, unrolled_flops: bool) -> dict:
     """One shape: the checkpoint, our step (defaults, then each row of `settings`) and the peer's, the
-    first step's losses of each, then `repeats` timed steps each in alternation."""
+    first two steps' losses of each, then `repeats` timed steps each in alternation."""
     shape = SHAPES[name]
     model = shape_config(shape, directory).model
     source = directory / "checkpoint"
@@ -203,7 +203,8 @@ def compare_shape(name: str, settings: tuple, repeats: int, directory: Path, unr
             ours[row_name(row)] = Ours(cfg, host)
         default = ours["ours"].trainer
         peer = Peer(source, default.cfg, default.layout.opt.schedule, host["tokens"])
-        first = {k: float(fn()) for k, fn in ours.items()} | {"torch": peer()}
+        # The first two steps' losses: the second shows the first update alike (rates, Adam's moments).
+        first = {k: (float(fn()), float(fn())) for k, fn in ({**ours, "torch": peer}).items()}
         times = medians(interleaved({**ours, "torch": peer}, repeats))
         flops = ours["ours"].compiled_flops(unrolled_flops)
         return shape_result(shape, default.cfg, ours, peer, first, times) | {
@@ -223,14 +224,16 @@ def shape_result(shape: Shape, cfg: RunConfig, ours: dict, peer: Peer, first: di
         rate = tokens / times[name]
         rows.append({"name": name, "devices": t.dual.dense.devices.size, "mesh": str(t.dual),
                      "dispatch": t.cfg.model.moe.dispatch, "step_s": times[name], "tokens_per_s": rate,
-                     "over_torch": rate / torch_rate, "first_loss": first[name]})
+                     "over_torch": rate / torch_rate, "first_loss": first[name][0],
+                     "second_loss": first[name][1]})
     return {"batch_size": shape.batch_size, "seq_len": shape.seq_len, "model":
             {"hidden_size": cfg.model.hidden_size, "num_layers": cfg.model.num_layers,
              "vocab_size": cfg.model.vocab_size, "experts": cfg.model.moe.n_routed_experts,
              "top_k": cfg.model.moe.num_experts_per_tok},
             "torch": {"step_s": times["torch"], "tokens_per_s": torch_rate, "threads": peer.torch.get_num_threads(),
-                      "attention": peer.attention, "first_loss": first["torch"]},
-            "rows": rows, "first_loss_abs_diff": max(abs(r["first_loss"] - first["torch"]) for r in rows)}
+                      "attention": peer.attention, "first_loss": first["torch"][0], "second_loss": first["torch"][1]},
+            "rows": rows, "first_loss_abs_diff": max(abs(r["first_loss"] - first["torch"][0]) for r in rows),
+            "second_loss_abs_diff": max(abs(r["second_loss"] - first["torch"][1]) for r in rows)}
 
 
 def flop_ratios(compiled: float, model_cfg, seq_len: int) -> dict:
