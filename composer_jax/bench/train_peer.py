@@ -11,8 +11,9 @@ ours), global-norm clipping at the same norm, loss = mean next-token cross-entro
 fp32, torch threads = the machine's cores. MTP is off on both sides. Each row of the batch is one
 document (positions 0..S-1, one segment, loss on every token), the case both sides define alike, so
 the first step's losses must agree to fp32 rounding: the independent check that they train the same
-model (the second step's, after one update, nearly). Per shape: tokens/s of each, the ratios, the model FLOPs per token (`model.accounting`), the
-compiled step's FLOPs per token (every loop unrolled, all devices) and their ratio.
+model (the second step's, after one update, nearly). Per shape: tokens/s of each, the ratios, the
+model FLOPs per token (`model.accounting`), the compiled step's FLOPs per token (every loop unrolled,
+all devices) and their ratio.
 """
 
 from __future__ import annotations
