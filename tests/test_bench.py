@@ -117,6 +117,51 @@ def test_decode_peer_rows_follow_the_measurements(quick):
     assert rows[1]["step_bytes"]["weights"] > rows[0]["step_bytes"]["weights"]   # 8 rows touch more experts
 
 
+@pytest.mark.slow
+def test_train_peer_matches_torch_on_the_first_step(quick):
+    """Our step (pretrain's defaults: 8 devices, the recipe's dispatch) and the PyTorch loop over
+    transformers' model start from one checkpoint on one batch: their first losses agree to fp32
+    rounding (the independent check), their second ones nearly, and the ratios follow from the
+    recorded times."""
+    r = quick["train_peer"]["shapes"]["tiny_quick"]
+    (row,) = r["rows"]
+    assert row["name"] == "ours" and row["devices"] == 8 and row["dispatch"] == "dense"
+    assert r["torch"]["threads"] == quick["train_peer"]["cpus"]
+    assert abs(row["first_loss"] - r["torch"]["first_loss"]) < 1e-4 * r["torch"]["first_loss"]
+    assert r["first_loss_abs_diff"] == abs(row["first_loss"] - r["torch"]["first_loss"])
+    assert abs(r["torch"]["first_loss"] - math.log(4096)) < 0.5   # random weights: near-uniform predictions
+    # The first update alike: the second losses differ by a small part of the change it makes (Adam's first
+    # step moves each weight by +-lr, so a gradient near 0 whose sign the two sides round apart, and our
+    # router-bias update, leave a little; a peer at the unwarmed rate, 20x ours, would change the loss ~20x).
+    change = abs(row["first_loss"] - row["second_loss"])
+    assert change > 1e-3 and r["second_loss_abs_diff"] < 0.1 * change
+    tokens = r["batch_size"] * r["seq_len"]
+    _positive(row["step_s"], r["torch"]["step_s"], r["model_flops_per_token"])
+    _close(row["tokens_per_s"], tokens / row["step_s"])
+    _close(row["over_torch"], row["tokens_per_s"] / r["torch"]["tokens_per_s"])
+    _close(r["compiled_over_model_flops"], r["compiled_flops_per_token"] / r["model_flops_per_token"])
+    # One-layer stacks: the program that ran counts every matmul once, at least the model's.
+    assert r["compiled_flops_counted"] == "as run" and r["compiled_over_model_flops"] >= 1.0
+
+
+def test_peer_sections_without_torch(tmp_path, capsys, monkeypatch):
+    """Without torch: naming train_peer is a one-line error; the default run leaves it out, saying why."""
+    from composer_jax.cli import bench as cli_bench
+
+    real = cli_bench.importlib.util.find_spec
+    monkeypatch.setattr(cli_bench.importlib.util, "find_spec", lambda name: None if name == "torch" else real(name))
+    assert cli.main(["bench", "--json", str(tmp_path / "b.json"), "--sections", "train_peer"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "composer-jax bench: error: --sections: train_peer runs a PyTorch loop over transformers' "
+        "DeepseekV3ForCausalLM and needs torch (pip install 'composer-jax[test]')")
+    monkeypatch.setattr(cli_bench, "use_cpu_devices", lambda n: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):          # stops right after choosing the sections
+        cli.main(["bench", "--json", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err
+    assert "leaving out decode_peer runs transformers' generate and needs torch" in err
+    assert "leaving out train_peer runs a PyTorch loop" in err
+
+
 def test_unrolled_flops_count_every_iteration():
     """XLA's cost analysis counts a loop body once; unrolled, a scan of L matmuls and a map over rows
     count 2 n^3 L + the map's matmuls, the closed form."""

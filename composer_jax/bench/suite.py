@@ -10,6 +10,7 @@ CPU one is what the tests run). Each section is measured side by side against it
     rl_teacher   the RL step's teacher share against the naive full-context teacher
     decode       MTP-speculative against plain greedy decoding (a trained run; self-drafting models per size)
     decode_peer  our greedy decoding against transformers' `generate` on the same checkpoint, per batch
+    train_peer   `composer-jax pretrain`'s step against a PyTorch loop over transformers' model, same checkpoint
     muon         our sharded Muon against optax.contrib.muon
 """
 
@@ -23,8 +24,11 @@ import time
 from pathlib import Path
 
 FILL_FRACTION = 0.8   # of the device memory XLA may use: the GPU preset's batch fills this much
-SECTIONS = ("train_step", "attention", "dispatch", "rl_teacher", "decode", "decode_peer", "muon")
+SECTIONS = ("train_step", "attention", "dispatch", "rl_teacher", "decode", "decode_peer", "train_peer", "muon")
 PRESETS = ("cpu", "gpu")
+# train_peer's rows beside the run's defaults (every device, the run's dispatch): issue 41's table
+PEER_SETTINGS = (("train.num_devices=1",), ("model.moe.dispatch=dense",),
+                 ("train.num_devices=1", "model.moe.dispatch=dense"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,8 @@ class Sizes:
     muon: tuple                   # experts, moe_layers
     decode_peer: tuple            # model sizes (bench/decode_peer.py), batches, prompt_len, new_tokens
     model_overrides: tuple = ()   # dotted changes to the train-step and teacher sections' models
+    # shapes (bench/train_peer.py SHAPES), rows of extra settings, compiled FLOPs with loops unrolled
+    train_peer: tuple = ((), (), True)
 
 
 def sizes(preset: str, quick: bool) -> Sizes:
@@ -52,21 +58,22 @@ def sizes(preset: str, quick: bool) -> Sizes:
         # Two decoder layers (one dense, one MoE): the smoke run's time is tracing and compiling, per layer.
         return Sizes("tiny", 2, 64, 2, (128,), {"tiny": (4, 24, 24)}, (), "float32",
                      (128, 64, 32, 16, 4), (16, 8, (2,)), (8, 16, ()), (8, 1), (("tiny",), (1, 8), 8, 8),
-                     ("num_layers=2",))
+                     ("num_layers=2",), train_peer=(("tiny_quick",), (), False))
     if preset == "cpu":
         return Sizes("tiny", 8, 128, 5, (256, 1024, 2048), {"tiny": (4, 24, 24), "k25_8heads": (8, 192, 128)},
                      (1024, 2048, 4096), "float32", (2048, 256, 128, 32, 8), (32, 16, (2, 4)),
-                     (32, 64, ("tiny", "weight_bound")), (32, 2), (("tiny", "weight_bound"), (1, 8, 32, 128), 48, 64))
+                     (32, 64, ("tiny", "weight_bound")), (32, 2), (("tiny", "weight_bound"), (1, 8, 32, 128), 48, 64),
+                     train_peer=(("held_out", "tiny_recipe"), PEER_SETTINGS, True))
     k25 = {"k25_16heads": (16, 192, 128)}
     if quick:
         return Sizes("proxy-moe", 1, 2048, 3, (1024, 4096), k25, (), "bfloat16",
                      (8192, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 64, ("tiny",)), (32, 2),
-                     (("tiny",), (1, 8), 8, 8))
+                     (("tiny",), (1, 8), 8, 8), train_peer=(("tiny_quick",), (), False))
     # Sized for tools/device_check.sh's 8 minutes: the step's memory growth is measured on CPU, and
     # decode_peer keeps to the smoke sizes (transformers runs on the host's CPU).
     return Sizes("proxy-moe", 0, 4096, 5, (1024, 4096, 8192), k25, (), "bfloat16",
                  (32768, 2048, 1024, 32, 8), (32, 16, (2, 4)), (32, 128, ("tiny", "weight_bound")),
-                 (32, 2), (("tiny",), (1, 8), 8, 8))
+                 (32, 2), (("tiny",), (1, 8), 8, 8), train_peer=(("tiny_quick",), (), False))
 
 
 def section_model(name: str, s: Sizes):
@@ -83,7 +90,7 @@ def section_shapes(name: str, s: Sizes) -> None:
     import jax.numpy as jnp
 
     from composer_jax import load_config
-    from composer_jax.bench import attention, decode, decode_peer, dispatch, muon, rl_teacher, train_step
+    from composer_jax.bench import attention, decode, decode_peer, dispatch, muon, rl_teacher, train_peer, train_step
 
     if name == "train_step":   # batch 0 (fill the device) is found by compiling batch 1
         train_step.train_step_shapes(section_model(name, s), s.batch_size or 1, s.seq_len)
@@ -98,6 +105,8 @@ def section_shapes(name: str, s: Sizes) -> None:
         decode.decode_shapes(*s.decode)
     elif name == "decode_peer":
         decode_peer.decode_peer_shapes(*s.decode_peer, s.model_overrides)
+    elif name == "train_peer":
+        train_peer.train_peer_shapes(*s.train_peer[:2])
     else:
         muon.muon_shapes(*s.muon)
 
@@ -139,6 +148,11 @@ def run_section(name: str, s: Sizes, decode_run: Path | None) -> dict:
         from composer_jax.bench.decode_peer import decode_peer_section
 
         return decode_peer_section(*s.decode_peer, min(s.repeats, 3), s.model_overrides)
+    if name == "train_peer":
+        from composer_jax.bench.train_peer import train_peer_section
+
+        shapes, settings, unrolled = s.train_peer
+        return train_peer_section(shapes, settings, s.repeats, unrolled)
     from composer_jax.bench.muon import compare
 
     experts, layers = s.muon
@@ -221,6 +235,13 @@ def rows(results: dict) -> list[tuple[str, str, str, str]]:
             out.append((f"decode {size} batch {row['batch']}", f"{row['ours_tokens_per_s']:,.0f} tok/s "
                         f"({_pct(row['ours_roofline_fraction'])} of roofline)",
                         f"transformers {row['transformers_tokens_per_s']:,.0f} tok/s", f"x{row['ratio']:.2f}"))
+    for shape, r in results.get("train_peer", {}).get("shapes", {}).items():
+        torch_rate = r["torch"]["tokens_per_s"]
+        for row in r["rows"]:
+            out.append((f"train {shape} {row['name']}", f"{row['tokens_per_s']:,.0f} tok/s",
+                        f"torch {torch_rate:,.0f} tok/s", f"x{row['over_torch']:.2f}"))
+        out.append(("  FLOPs/token", f"compiled {r['compiled_flops_per_token']:.3g}",
+                    f"model {r['model_flops_per_token']:.3g}", f"x{r['compiled_over_model_flops']:.2f}"))
     if "muon" in results:
         r = results["muon"]
         out.append(("muon update", f"ours {1e3 * r['ours_s']:.1f} ms", f"optax {1e3 * r['optax_s']:.1f} ms",

@@ -14,6 +14,9 @@ from composer_jax.config import ConfigError
 from composer_jax.cpu_devices import use_cpu_devices
 
 DEFAULT_DECODE_RUN = "~/.cache/composer-jax/runs/pretrain-tiny"   # `composer-jax pretrain`'s default run
+# The sections measured against transformers (torch): what each runs of it.
+PEER_SECTIONS = {"decode_peer": "transformers' generate",
+                 "train_peer": "a PyTorch loop over transformers' DeepseekV3ForCausalLM"}
 
 
 def parse_sections(text: str) -> tuple[str, ...]:
@@ -35,13 +38,13 @@ def _run_bench(args) -> int:
     if not out.parent.is_dir():   # before minutes of measuring
         raise FileNotFoundError(f"--json {args.json}: the directory {out.parent} does not exist")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
-    if "decode_peer" in sections and missing:
-        why = (f"decode_peer runs transformers' generate and needs {' and '.join(missing)} "
-               "(pip install 'composer-jax[test]')")
-        if args.sections:
-            raise ConfigError("", f"--sections: {why}")
-        print(f"composer-jax bench: leaving out {why}", file=sys.stderr)   # the default run: every section it can
-        sections = tuple(s for s in sections if s != "decode_peer")
+    for name, runs in PEER_SECTIONS.items():
+        if name in sections and missing:
+            why = f"{name} runs {runs} and needs {' and '.join(missing)} (pip install 'composer-jax[test]')"
+            if args.sections:
+                raise ConfigError("", f"--sections: {why}")
+            print(f"composer-jax bench: leaving out {why}", file=sys.stderr)   # the default run: every section it can
+            sections = tuple(s for s in sections if s != name)
     use_cpu_devices(8)            # CPU runs: 8 fake devices (dispatch and Muon shard over them)
     import jax
 
@@ -70,16 +73,16 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks side by side against their references (JSON + table)",
                        description="Measure the training step (tokens/s, MFU, compiled over model FLOPs), "
                                    "attention implementations, dispatch backends against dense, the RL "
-                                   "teacher's share, speculative against plain decoding, our decoding against "
-                                   "transformers' and Muon against optax, in one run.")
+                                   "teacher's share, speculative against plain decoding, our decoding and our "
+                                   "training step against transformers' and Muon against optax, in one run.")
     p.add_argument("--json", required=True, metavar="PATH", help="write the results here")
     p.add_argument("--quick", action="store_true", help="a smoke run: smallest sizes, fewest repeats")
     p.add_argument("--preset", choices=("auto",) + PRESETS, default="auto",
                    help="cpu: the tiny model; gpu: the proxy MoE (configs/model/proxy-moe.yaml) sized for one "
                         "H200; auto (default): gpu on a GPU, else cpu")
     p.add_argument("--sections", default=None,
-                   help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all; decode_peer only where "
-                        "transformers and torch are installed)")
+                   help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all; decode_peer and train_peer "
+                        "only where transformers and torch are installed)")
     p.add_argument("--decode-run", default=DEFAULT_DECODE_RUN,
                    help="trained run whose model the decode section uses (default: composer-jax pretrain's); "
                         "without a checkpoint there, a randomly initialised tiny model")
