@@ -7,7 +7,8 @@ signature on jax 0.10.2 and 0.11.2) takes different head dims and packed documen
 row's documents are given as segment start offsets and lengths (cuDNN's THD layout) with a causal mask
 inside each segment (shared/reference/performance.md section 1).
 
-Preconditions, checked by `unsupported`: an NVIDIA GPU of compute capability >= 9.0 (packed layout and
+Preconditions, checked by `unsupported` for the device the program is built for (the mesh's, which
+a deviceless compile gives from a GPU topology while the process runs on CPU): an NVIDIA GPU of compute capability >= 9.0 (packed layout and
 MLA head dims), cuDNN >= 9.10, bf16 or fp16 inputs, head dims <= 256 and multiples of 8, self-attention
 over the sequence in its natural order: no latent prefix and no context-parallel chunk order.
 Documents are the runs of equal segment ids (a packed row's documents are contiguous).
@@ -16,9 +17,15 @@ cuDNN does not report the largest logit; QK-clip's per-head statistic comes from
 logits-only pass (`blockwise_max_logits`: the QK^T half of the forward's FLOPs, no backward, skipped
 blocks as in blockwise attention). Nothing in training reads it unless QK-clip is on, and XLA drops
 the pass when its result is unused.
+
+JAX's entry point checks the compute capability of the process's own GPU backend while tracing; a
+deviceless compile for a GPU topology has none, so `building_for(device)` answers those checks for the
+target device while a program is traced (`plan.gpu_compile`; tests/test_gpu_compile.py compiles it).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +42,22 @@ MIN_CUDNN = 91000          # cuDNN 9.10: query and value head dims may differ (M
 MIN_CAPABILITY = "9.0"     # Hopper: packed layout and MLA head dims
 
 
-def unsupported(q: jax.Array, v: jax.Array, *, prefix: bool, cp: int) -> str:
-    """Why cuDNN attention cannot run on q [batch, q, heads, dk], v [batch, k, heads, dv] here ('' when it can)."""
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
+
+
+def _capability(device) -> tuple[int, ...]:
+    return _version(getattr(device, "compute_capability", "0.0"))
+
+
+def unsupported(q: jax.Array, v: jax.Array, *, prefix: bool, cp: int, device=None) -> str:
+    """Why cuDNN attention cannot run on q [batch, q, heads, dk], v [batch, k, heads, dv] on `device`
+    (default: the process's first device) ('' when it can)."""
     if _cudnn is None:
         return "this jax has no cuDNN attention entry point"
-    if jax.default_backend() != "gpu":
-        return f"it needs an NVIDIA GPU (the backend is {jax.default_backend()})"
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "gpu":
+        return f"it needs an NVIDIA GPU (the devices are {device.platform})"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs bfloat16 or float16 activations (model.dtype), got {q.dtype}"
     dk, dv = q.shape[-1], v.shape[-1]
@@ -56,9 +73,26 @@ def unsupported(q: jax.Array, v: jax.Array, *, prefix: bool, cp: int) -> str:
         return str(e)
     if version < MIN_CUDNN:
         return f"it needs cuDNN >= 9.10, found {version}"
-    if not _cudnn.check_compute_capability(MIN_CAPABILITY):
-        return f"it needs compute capability >= {MIN_CAPABILITY}"
+    if _capability(device) < _version(MIN_CAPABILITY):
+        return f"it needs compute capability >= {MIN_CAPABILITY}, {device.device_kind} has {device.compute_capability}"
     return ""
+
+
+@contextlib.contextmanager
+def building_for(device):
+    """While programs are traced inside, JAX's cuDNN entry point checks compute capabilities against
+    `device` (a GPU topology's device) instead of the process's own GPU backend. Not thread-safe: one
+    deviceless build at a time."""
+    if _cudnn is None or device.platform != "gpu":
+        yield
+        return
+    saved = _cudnn.check_compute_capability, _cudnn.is_cuda_compute_capability_equal
+    _cudnn.check_compute_capability = lambda c: _capability(device) >= _version(c)
+    _cudnn.is_cuda_compute_capability_equal = lambda c: _capability(device) == _version(c)
+    try:
+        yield
+    finally:
+        _cudnn.check_compute_capability, _cudnn.is_cuda_compute_capability_equal = saved
 
 
 def segment_runs(segments: jax.Array) -> tuple[jax.Array, jax.Array]:
