@@ -58,7 +58,7 @@ def target_config(gpu: str) -> str:
 def gpu_devices(gpu: str, hosts: int, per_host: int) -> list:
     """The compile-only devices of `hosts` hosts of `per_host` GPUs each (no GPU needed). ConfigError
     naming the extra when the CUDA plugin is not installed."""
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         raise ConfigError("--compile-for", f"compiling for {gpu} needs the CUDA compiler plugin: {EXTRA}")
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")   # its check calls cuInit: no driver here
     from jax.experimental import topologies
