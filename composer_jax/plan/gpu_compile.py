@@ -112,13 +112,11 @@ def _model_flops(cfg: RunConfig, rows: int, seq: int, devices: int) -> float:
 
 def compile_train(cfg: RunConfig, devices: list) -> Compiled:
     """The training step of `cfg` on the dual grid over `devices` (a GPU topology's)."""
-    from composer_jax.model import cudnn_attention
     from composer_jax.train.loop import make_mesh
     from composer_jax.train.step import lower_train_step
 
     dual = make_mesh(cfg, devices)
-    with cudnn_attention.building_for(devices[0]):
-        lowered = lower_train_step(cfg, dual)
+    lowered = lower_train_step(cfg, dual)
     n = len(devices)
     plans = {how: plan_train(cfg, n, grouped_matmul=how, platform="gpu") for how in ("expanded", "kernel")}
     return _compile("train", lowered, dual, plans, _model_flops(cfg, cfg.train.batch_size, cfg.train.seq_len, n))
@@ -148,7 +146,6 @@ def compile_rl(cfg: RunConfig, devices: list, slots: int, window: int) -> Compil
     tokens per row) over cfg.train's rows and sequence length on `devices`."""
     import jax
 
-    from composer_jax.model import cudnn_attention
     from composer_jax.rl.step import make_step
     from composer_jax.train.loop import make_mesh
     from composer_jax.train.state import StateLayout
@@ -160,7 +157,7 @@ def compile_rl(cfg: RunConfig, devices: list, slots: int, window: int) -> Compil
              for how in ("expanded", "kernel")}
     dual = make_mesh(cfg, devices)
     layout = StateLayout(cfg, dual)
-    with dual, cudnn_attention.building_for(devices[0]):
+    with dual:
         step = jax.jit(make_step(layout.graphdef, layout.rest, rl, layout.opt), donate_argnums=0)
         lowered = step.lower(layout.abstract, rl_batch(dual, rows, seq, slots, window))
     return _compile("rl", lowered, dual, plans, _model_flops(cfg, rows, seq, n))
