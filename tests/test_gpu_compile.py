@@ -14,8 +14,12 @@ import pytest
 from composer_jax.config import ConfigError
 from composer_jax.plan import gpu_compile, hlo
 
-SMALL = ["model.dtype=bfloat16", "model.mla.v_head_dim=16", "train.batch_size=16", "train.seq_len=64",
-         "mesh.fsdp=16", "mesh.ereplica=2", "mesh.ep=8"]
+# The tiny model cut to one dense and one MoE layer, no MTP (each kernel costs XLA a ptxas run: fewer
+# layers, fewer kernels), bf16 with MLA's unequal head dims (q/k 24, v 16), ep_ragged, on 2 hosts x 8:
+# dense grid fsdp=16, expert grid ereplica=2 x ep=8.
+TINY = ["model.dtype=bfloat16", "model.mla.v_head_dim=16", "model.num_layers=2", "model.mtp.num_layers=0",
+        "model.moe.dispatch=ep_ragged", "train.batch_size=16", "train.seq_len=64", "mesh.fsdp=16",
+        "mesh.ereplica=2", "mesh.ep=8"]
 
 
 def _plugin() -> bool:
@@ -31,10 +35,23 @@ def h100s():
     return gpu_compile.gpu_devices("h100", 2, 8)
 
 
-def _train(devices, *overrides):
+def _config(*overrides):
     from composer_jax.plan.report import load_plan_config
 
-    return gpu_compile.compile_train(load_plan_config("pretrain-tiny", [*SMALL, *overrides]), devices)
+    return load_plan_config("pretrain-tiny", [*TINY, *overrides])
+
+
+@pytest.fixture(scope="module")
+def train_step(h100s):
+    """One training step (cuDNN attention over packed documents, AdamW) built once for the tests below."""
+    return gpu_compile.compile_train(_config("model.attention=cudnn"), h100s)
+
+
+@pytest.fixture(scope="module")
+def rl_step(h100s):
+    """One RL step with Muon and one teacher window of 16 tokens per row, built once."""
+    return gpu_compile.compile_rl(_config("optimizer.name=muon"), h100s, slots=1, window=16)
+
 
 
 def test_groups_in_all_three_spellings_and_loop_trip_counts_by_hand():
@@ -69,32 +86,28 @@ def test_compile_for_without_the_plugin_names_the_extra(monkeypatch):
         gpu_compile.gpu_devices("h100", 2, 8)
 
 
-@pytest.mark.slow
-def test_train_step_on_2x8_h100_grid_handoff_adds_no_collective(h100s):
-    """ep_a2a dispatch over ep=8 (expert grid ereplica=2 x ep=8, dense fsdp=16): the only all-to-alls
-    are the dispatch's, over ep; the hop between the grids adds no collective-permute, and no
-    all-to-all over any other axes."""
-    program = _train(h100s, "model.attention=blockwise", "model.moe.dispatch=ep_a2a")
-    kinds = set(program.summary.collectives)
+def test_train_step_has_cudnn_attention_forward_and_backward(train_step):
+    """attention: cudnn with MLA's unequal head dims over packed documents, on the dual grid (which
+    JAX's own cuDNN entry point cannot lower: both meshes in one program): cuDNN's fused attention
+    forward and backward are in the HLO, one of each per layer."""
+    calls = train_step.summary.custom_calls
+    assert calls.get("__cudnn$fmhaSoftmax") == 2 and calls.get("__cudnn$fmhaSoftmaxBackward") == 2, calls
+
+
+def test_train_step_grid_handoff_adds_no_collective(train_step):
+    """ep_ragged over ep=8: the only exchanges (all-to-all, ragged all-to-all, collective-permute) are
+    the dispatch's, over the expert grid's ep; moving activations between the grids adds none."""
+    kinds = set(train_step.summary.collectives)
     exchanges = {span for kind, span in kinds if kind in ("all-to-all", "ragged-all-to-all", "collective-permute")}
     assert exchanges == {"expert:ep"}, kinds
-    assert program.summary.total("all-to-all").count > 0
+    assert train_step.summary.total("ragged-all-to-all").count > 0
     assert not any(kind == "collective-permute" for kind, _ in kinds)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="cuDNN attention on the dual grid does not lower: "
-                   "'mesh should be the same across the entire program' (dense vs expert AbstractMesh); "
-                   "found by this compile, open")
-def test_train_step_on_2x8_h100_has_cudnn_attention(h100s):
-    """attention: cudnn with q/k 24 and v 16 (MLA's unequal head dims) over packed documents: cuDNN's
-    fused attention forward and backward are in the HLO."""
-    calls = _train(h100s, "model.attention=cudnn").summary.custom_calls
-    assert "__cudnn$fmhaSoftmax" in calls and "__cudnn$fmhaSoftmaxBackward" in calls, calls
-
-
-@pytest.mark.slow
-def test_ep_ragged_and_muon_compile_for_2x8_h100(h100s):
-    program = _train(h100s, "model.attention=blockwise", "model.moe.dispatch=ep_ragged", "optimizer.name=muon")
-    assert program.summary.total("ragged-all-to-all").count > 0, program.summary.collectives
-    assert {span for kind, span in program.summary.collectives if kind == "ragged-all-to-all"} == {"expert:ep"}
-    assert program.total > 0 and 0.5 < program.ratios()["expanded"] < 2
+def test_rl_step_with_muon_compiles_its_exchange(rl_step):
+    """Muon's orthogonalization exchange (an all-to-all of the dense weights' stacks over the dense
+    grid's fsdp axis) and the ragged dispatch are built in the RL step."""
+    spans = {span for kind, span in rl_step.summary.collectives if kind == "all-to-all"}
+    assert any(span.startswith("dense:fsdp") for span in spans), rl_step.summary.collectives
+    assert {span for kind, span in rl_step.summary.collectives if kind == "ragged-all-to-all"} == {"expert:ep"}
+    assert rl_step.total > 0

@@ -145,6 +145,8 @@ def _run_compile(args, cfg) -> int:
             print(f"    {kind:<20} over {span:<28} {c.count:>8g} per step  {_gb(c.bytes)}")
         calls = ", ".join(f"{name} x{n}" for name, n in sorted(program.summary.custom_calls.items()))
         print(f"    custom calls and fusions: {calls or 'none'}")
+        if program.note:
+            print(f"    note: {program.note}")
     return 0
 
 

@@ -80,6 +80,7 @@ class Compiled:
     plans: dict[str, MemoryPlan]       # grouped matmul ('expanded', 'kernel') -> the planner's estimate
     summary: hlo.HloSummary
     model_flops: float                 # per device and step (model_info's count)
+    note: str = ""                     # how the build departs from XLA's defaults ('' when it does not)
 
     @property
     def total(self) -> int:
@@ -96,12 +97,28 @@ def grids(dual) -> tuple[hlo.Grid, ...]:
                  for name, mesh in (("dense", dual.dense), ("expert", dual.expert)))
 
 
+def _build(lowered):
+    """(XLA's executable, a note). XLA's GPU compiler tiles its Triton GEMM fusions by autotuning on the
+    device; deviceless it takes default tilings, and for some small GEMMs it finds none that fits
+    ("Couldn't find output tile sizes", seen with cuDNN attention and the dense dispatch): such a
+    program is built with cuBLAS for its GEMMs instead, and the note says so."""
+    import jax
+
+    try:
+        return lowered.compile(), ""
+    except jax.errors.JaxRuntimeError as e:
+        if "tile sizes" not in str(e):
+            raise
+        return (lowered.compile(compiler_options={"xla_gpu_enable_triton_gemm": False}),
+                "GEMMs by cuBLAS: XLA found no default Triton tiling for one without a device to autotune on")
+
+
 def _compile(name: str, lowered, dual, plans: dict, model_flops: float) -> Compiled:
-    compiled = lowered.compile()
+    compiled, note = _build(lowered)
     m = compiled.memory_analysis()
     summary = hlo.summarize(compiled.as_text(), dual.dense.devices.size, grids(dual))
     return Compiled(name, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes,
-                    m.temp_size_in_bytes, plans, summary, model_flops)
+                    m.temp_size_in_bytes, plans, summary, model_flops, note)
 
 
 def _model_flops(cfg: RunConfig, rows: int, seq: int, devices: int) -> float:
