@@ -111,3 +111,11 @@ def test_rl_step_with_muon_compiles_its_exchange(rl_step):
     assert any(span.startswith("dense:fsdp") for span in spans), rl_step.summary.collectives
     assert {span for kind, span in rl_step.summary.collectives if kind == "ragged-all-to-all"} == {"expert:ep"}
     assert rl_step.total > 0
+
+
+def test_planner_state_equals_the_compiled_arguments(train_step):
+    """The state the planner lays out per device (parameters, biases, optimizer moments, the batch)
+    is what XLA's GPU build takes as its arguments (all donated: aliased to the outputs)."""
+    for plan in train_step.plans.values():
+        assert plan.state + plan.batch == pytest.approx(train_step.argument, rel=0.02)
+    assert train_step.alias == pytest.approx(train_step.output, rel=0.02)

@@ -124,8 +124,8 @@ _BACKWARD = _primitive("composer_cudnn_attention_bwd", "bwd")
 
 def _params() -> dict:
     """The kernel's static parameters: causal within packed segments, [batch, seq, heads, dim], no dropout."""
-    return dict(seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=_cudnn.MaskType.PADDING_CAUSAL,
-                layout=_cudnn.AttentionLayout.BTNH.value, sliding_window_length=None)
+    return {"seed": 42, "dropout_rate": 0.0, "variadic_args": (False, False), "mask_type": _cudnn.MaskType.PADDING_CAUSAL,
+            "layout": _cudnn.AttentionLayout.BTNH.value, "sliding_window_length": None}
 
 
 def _forward(q, k, v, lengths, offsets, scale: float, training: bool):
