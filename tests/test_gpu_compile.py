@@ -119,3 +119,21 @@ def test_planner_state_equals_the_compiled_arguments(train_step):
     for plan in train_step.plans.values():
         assert plan.state + plan.batch == pytest.approx(train_step.argument, rel=0.02)
     assert train_step.alias == pytest.approx(train_step.output, rel=0.02)
+
+
+@pytest.fixture(scope="module")
+def engine_programs(h100s):
+    """The engine's prefill (16-token chunks) and decode (4 steps a call) for 16 slots of 64 positions."""
+    return gpu_compile.compile_engine(_config(), h100s, slots=16, max_len=64, chunk=16, steps=4)
+
+
+def test_engine_prefill_and_decode_update_their_cache_in_place(engine_programs):
+    """Both programs donate the latent cache and XLA aliases it to their output: per device, layers x
+    slots x positions x (kv_lora 32 + rope 8) x 2 bytes with the 16 slots split over the 16 devices'
+    data axes; the expert exchange is ep_ragged's, over the expert grid's ep only."""
+    cache = 2 * 16 * 64 * (32 + 8) * 2 // 16
+    for program in engine_programs:
+        assert program.alias == cache, program.name
+        exchanges = {span for kind, span in program.summary.collectives
+                     if kind in ("all-to-all", "ragged-all-to-all", "collective-permute")}
+        assert exchanges == {"expert:ep"} and program.summary.total("ragged-all-to-all").count > 0, program.name

@@ -129,15 +129,18 @@ def _run_compile(args, cfg) -> int:
     """`--compile-for`: the steps built for the GPU topology, each beside the planner's estimate."""
     from composer_jax.plan.gpu_compile import compile_for
 
+    seq = cfg.train.seq_len
+    engine = None if not args.engine_slots else {"slots": args.engine_slots, "max_len": seq, "chunk": min(256, seq),
+                                                 "steps": 8}
     programs = compile_for(cfg, args.compile_for, args.devices, args.hosts, slots=args.rl_slots,
-                           window=args.rl_window)
+                           window=args.rl_window, engine=engine)
     print(f"compiled for {args.hosts} host(s) x {args.devices // args.hosts} {args.compile_for} "
           f"(deviceless; per device):")
     for program in programs:
         if isinstance(program, str):
             print(f"  {program}")
             continue
-        ratios = ", ".join(f"{how} {r:.3f}" for how, r in program.ratios().items())
+        ratios = ", ".join(f"{how} {r:.3f}" for how, r in program.ratios().items()) or "(no planner estimate)"
         print(f"  {program.name}: arguments {_gb(program.argument)}, outputs {_gb(program.output)}, aliased "
               f"{_gb(program.alias)}, temporaries {_gb(program.temp)}; total {_gb(program.total)}; plan / "
               f"compiled {ratios}; model FLOPs {program.model_flops / 1e12:.4g} TFLOP (XLA gives none)")
@@ -288,5 +291,8 @@ def _add_plan(sub) -> None:
                    help="compile (never run) the training and RL steps for --hosts hosts of these GPUs on this "
                         "machine, no GPU needed, and report XLA's memory beside the plan, the collectives and "
                         "custom calls (needs the cuda12 extra: pip install -e '.[cuda12]')")
+    p.add_argument("--engine-slots", type=non_negative_int, default=8,
+                   help="with --compile-for, also build the engine's prefill (256-token chunks) and decode (8 steps "
+                        "a call) for this many slots of train.seq_len cached positions (0: not; default 8)")
     p.add_argument("--hosts", type=positive_int, default=1,
                    help="hosts of the --compile-for topology, --devices split evenly over them (default 1)")

@@ -180,9 +180,64 @@ def compile_rl(cfg: RunConfig, devices: list, slots: int, window: int) -> Compil
     return _compile("rl", lowered, dual, plans, _model_flops(cfg, rows, seq, n))
 
 
-def compile_for(cfg: RunConfig, gpu: str, devices: int, hosts: int, *, slots: int, window: int) -> list[Compiled | str]:
-    """The training and RL steps of `cfg` built for `hosts` hosts of `gpu`s, `devices` in all; a program
-    the layout cannot take is the reason it has none (a string)."""
+def _engine_inputs(cfg: RunConfig, dual, slots: int, max_len: int):
+    """ShapeDtypeStructs of the engine's graphdef and parameters (the inference placement), its cache and
+    a function placing per-slot arrays (infer/engine.py's placement)."""
+    import jax
+    from flax import nnx
+
+    from composer_jax.infer.cache import cache_shapes
+    from composer_jax.model.transformer import CausalLM
+    from composer_jax.parallel.partitioning import inference_batch_sharding, param_shardings
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg.model, rngs=nnx.Rngs(0), mesh=dual)))
+    placed = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          nnx.to_pure_dict(state), nnx.to_pure_dict(param_shardings(state, dual)))
+    nnx.replace_by_pure_dict(state, placed)
+
+    def per_slot(shape, dtype, batch_dim: int = 0):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=inference_batch_sharding(dual, shape, batch_dim))
+
+    cache = jax.tree.map(lambda x: per_slot(x.shape, x.dtype, int(x.ndim == 4)), cache_shapes(cfg.model, slots, max_len))
+    return graphdef, state, cache, per_slot
+
+
+def compile_engine(cfg: RunConfig, devices: list, *, slots: int, max_len: int, chunk: int,
+                   steps: int) -> list[Compiled]:
+    """The engine's programs (infer/programs.py, plain decoding) on `devices` with the inference
+    placement: one prefill chunk of `chunk` tokens per slot and one call of `steps` decode steps, for
+    `slots` slots of `max_len` cached positions, attending to all of them."""
+    import jax.numpy as jnp
+
+    from composer_jax.infer import programs
+    from composer_jax.infer.sampling import SlotSampling
+    from composer_jax.train.loop import make_mesh
+
+    dual = make_mesh(cfg, devices).for_inference()
+    graphdef, state, cache, per_slot = _engine_inputs(cfg, dual, slots, max_len)
+    vector = lambda dtype: per_slot((slots,), dtype)  # noqa: E731
+    sampling = SlotSampling(vector(jnp.float32), vector(jnp.float32), vector(jnp.int32), vector(jnp.uint32))
+    built = programs.for_platform("gpu")
+    with dual:
+        prefill = built.prefill.lower(graphdef, state, cache, vector(jnp.int32), per_slot((slots, chunk), jnp.int32),
+                                      vector(jnp.int32), per_slot((slots, 1), jnp.int32), vector(jnp.bool_),
+                                      sampling, max_len)
+        decode = built.decode.lower(graphdef, state, cache, programs.Slots(
+            vector(jnp.int32), vector(jnp.int32), vector(jnp.bool_), vector(jnp.int32),
+            per_slot((slots, 8), jnp.int32), sampling), steps, max_len)
+    from composer_jax.model.accounting import model_info
+
+    # the main model's forward (a third of its training FLOPs per token) at the attended length
+    forward = model_info(cfg.model, max_len).flops.main / 3 / len(devices)
+    return [_compile(f"prefill ({slots} slots x {chunk} tokens)", prefill, dual, {}, forward * slots * chunk),
+            _compile(f"decode ({slots} slots, {steps} steps)", decode, dual, {}, forward * slots * steps)]
+
+
+def compile_for(cfg: RunConfig, gpu: str, devices: int, hosts: int, *, slots: int, window: int,
+                engine: dict | None = None) -> list[Compiled | str]:
+    """The training and RL steps of `cfg` built for `hosts` hosts of `gpu`s, `devices` in all, and with
+    `engine` (compile_engine's keywords) the engine's prefill and decode; a program the layout cannot
+    take is the reason it has none (a string)."""
     if devices % hosts:
         raise ConfigError("--hosts", f"{hosts} hosts do not split {devices} devices evenly")
     topology = gpu_devices(gpu, hosts, devices // hosts)
@@ -191,4 +246,9 @@ def compile_for(cfg: RunConfig, gpu: str, devices: int, hosts: int, *, slots: in
         out.append(compile_rl(cfg, topology, slots, min(window, cfg.train.seq_len)))
     except ConfigError as e:
         out.append(f"rl: {e}")
+    if engine is not None:
+        try:
+            out.extend(compile_engine(cfg, topology, **engine))
+        except ConfigError as e:
+            out.append(f"engine: {e}")
     return out
