@@ -3,7 +3,6 @@ on packed documents, a latent prefix and context parallelism (float32 values and
 packed-offset glue against an independent emulation of its documented semantics (CPU) and the real
 kernel (GPU); implementation choice and errors."""
 
-import enum
 
 import jax
 import jax.numpy as jnp
@@ -187,33 +186,21 @@ def test_segment_runs_match_a_loop():
         np.testing.assert_array_equal(length, list(runs) + [-1] * (23 - len(runs)))
 
 
-class _EmulatedCudnn:
-    """`dot_product_attention` with packed offsets as cuDNN documents it: token t of row b belongs to
-    segment r when offsets[b, r] <= t < offsets[b, r] + seqlen[b, r]; PADDING_CAUSAL attends causally
-    within a segment."""
-
-    class MaskType(enum.Enum):
-        PADDING_CAUSAL = 3
-
-    @staticmethod
-    def dot_product_attention(q, k, v, *, q_seqlen, kv_seqlen, q_offsets, kv_offsets, scale, mask_type,
-                              qkv_layout):
-        assert mask_type is _EmulatedCudnn.MaskType.PADDING_CAUSAL and qkv_layout == "BTNH"
-        t = jnp.arange(q.shape[1])[None, :, None]
-
-        def segment_of(offsets, seqlen):
-            inside = (offsets[:, None, :-1] <= t) & (t < offsets[:, None, :-1] + seqlen[:, None, :]) & (seqlen[:, None] > 0)
-            return jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1)
-
-        seg_q, seg_k = segment_of(q_offsets, q_seqlen), segment_of(kv_offsets, kv_seqlen)
-        visible = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] >= 0) & jnp.tril(
-            jnp.ones((q.shape[1], k.shape[1]), bool))
-        scores = jnp.where(visible[:, None], jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale, -jnp.inf)
-        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
+def _emulated_packed_causal(q, k, v, lengths, offsets, scale):
+    """`cudnn_attention._packed_causal` as cuDNN documents its packed (THD) layout: token t of row b
+    belongs to segment r when offsets[b, r] <= t < offsets[b, r] + lengths[b, r]; PADDING_CAUSAL
+    attends causally within a segment."""
+    t = jnp.arange(q.shape[1])[None, :, None]
+    inside = (offsets[:, None, :-1] <= t) & (t < offsets[:, None, :-1] + lengths[:, None, :]) & (lengths[:, None] > 0)
+    segment = jnp.where(inside.any(-1), jnp.argmax(inside, -1), -1)
+    visible = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0) & jnp.tril(
+        jnp.ones((q.shape[1], k.shape[1]), bool))
+    scores = jnp.where(visible[:, None], jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
 
 
 def test_cudnn_glue_equals_reference_with_emulated_kernel(monkeypatch):
-    monkeypatch.setattr(cudnn_attention, "_cudnn", _EmulatedCudnn)
+    monkeypatch.setattr(cudnn_attention, "_packed_causal", _emulated_packed_causal)
     rng = np.random.default_rng(6)
     mask = _masks(rng)["packed"]
     q, k, v = _qkv(rng, 2, 37, 37)

@@ -93,6 +93,8 @@ def _run_plan(args) -> int:
     from composer_jax.train.config import is_run_config
 
     cfg = load_plan_config(args.config, args.overrides)
+    if args.compile_for:
+        return _run_compile(args, cfg)
     hw = _hardware(args)
     options = {"attention": args.attention, "grouped_matmul": args.grouped_matmul, "platform": args.platform}
     fixed = set(command_line_overrides(args.overrides)) & set(SEARCH_KEYS)
@@ -120,6 +122,34 @@ def _run_plan(args) -> int:
             json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
                        **report.to_dict(hw.hbm_gb), "search": [_candidate_json(c) for c in found[:args.top]]},
                       f, indent=2)
+    return 0
+
+
+def _run_compile(args, cfg) -> int:
+    """`--compile-for`: the steps built for the GPU topology, each beside the planner's estimate."""
+    from composer_jax.plan.gpu_compile import compile_for
+
+    seq = cfg.train.seq_len
+    engine = None if not args.engine_slots else {"slots": args.engine_slots, "max_len": seq, "chunk": min(256, seq),
+                                                 "steps": 8}
+    programs = compile_for(cfg, args.compile_for, args.devices, args.hosts, slots=args.rl_slots,
+                           window=args.rl_window, engine=engine)
+    print(f"compiled for {args.hosts} host(s) x {args.devices // args.hosts} {args.compile_for} "
+          f"(deviceless; per device):")
+    for program in programs:
+        if isinstance(program, str):
+            print(f"  {program}")
+            continue
+        ratios = ", ".join(f"{how} {r:.3f}" for how, r in program.ratios().items()) or "(no planner estimate)"
+        print(f"  {program.name}: arguments {_gb(program.argument)}, outputs {_gb(program.output)}, aliased "
+              f"{_gb(program.alias)}, temporaries {_gb(program.temp)}; total {_gb(program.total)}; plan / "
+              f"compiled {ratios}; model FLOPs {program.model_flops / 1e12:.4g} TFLOP (XLA gives none)")
+        for (kind, span), c in sorted(program.summary.collectives.items()):
+            print(f"    {kind:<20} over {span:<28} {c.count:>8g} per step  {_gb(c.bytes)}")
+        calls = ", ".join(f"{name} x{n}" for name, n in sorted(program.summary.custom_calls.items()))
+        print(f"    custom calls and fusions: {calls or 'none'}")
+        if program.note:
+            print(f"    note: {program.note}")
     return 0
 
 
@@ -258,3 +288,12 @@ def _add_plan(sub) -> None:
                         "keys on the command line stay) and print the fastest that fit by the estimated step time")
     p.add_argument("--top", type=positive_int, default=5, help="layouts --search prints (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the plans and verdicts as JSON")
+    p.add_argument("--compile-for", choices=("h100", "h200"),
+                   help="compile (never run) the training and RL steps for --hosts hosts of these GPUs on this "
+                        "machine, no GPU needed, and report XLA's memory beside the plan, the collectives and "
+                        "custom calls (needs the cuda12 extra: pip install -e '.[cuda12]')")
+    p.add_argument("--engine-slots", type=non_negative_int, default=8,
+                   help="with --compile-for, also build the engine's prefill (256-token chunks) and decode (8 steps "
+                        "a call) for this many slots of train.seq_len cached positions (0: not; default 8)")
+    p.add_argument("--hosts", type=positive_int, default=1,
+                   help="hosts of the --compile-for topology, --devices split evenly over them (default 1)")

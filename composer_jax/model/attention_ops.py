@@ -46,12 +46,13 @@ def reference_attention(q, k, v, mask: AttentionMask, scale: float):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v), max_logits
 
 
-def choose(name: str, q: jax.Array, v: jax.Array, mask: AttentionMask, cp: int) -> str:
-    """The implementation `name` ('auto' or one of IMPLEMENTATIONS) runs as, for these shapes.
-    An explicit 'cudnn' where it cannot run raises ValueError naming `model.attention`."""
+def choose(name: str, q: jax.Array, v: jax.Array, mask: AttentionMask, cp: int, device=None) -> str:
+    """The implementation `name` ('auto' or one of IMPLEMENTATIONS) runs as, for these shapes on `device`
+    (the mesh's; default the process's first device). An explicit 'cudnn' where it cannot run raises
+    ValueError naming `model.attention`."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"model.attention={name!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
-    unsupported = cudnn_attention.unsupported(q, v, prefix=mask.k_open is not None, cp=cp)
+    unsupported = cudnn_attention.unsupported(q, v, prefix=mask.k_open is not None, cp=cp, device=device)
     if name == "cudnn" and unsupported:
         raise ValueError(f"model.attention='cudnn' cannot run here: {unsupported}; use 'auto' (cuDNN where it "
                          "applies, blockwise elsewhere) or 'blockwise'")
@@ -66,7 +67,7 @@ def attention(name: str, q, k, v, mask: AttentionMask, scale: float, dual: DualM
     """Attention by implementation `name` (see the module docstring); `dual`: the layout the arrays
     live on (None: unsharded). Returns (out [batch, q, heads, dv], max_logits f32[heads])."""
     cp = dual.cp if dual is not None else 1
-    chosen = choose(name, q, v, mask, cp)
+    chosen = choose(name, q, v, mask, cp, None if dual is None else dual.dense.devices.flat[0])
     if chosen == "reference":
         return reference_attention(q, k, v, mask, scale)
     kernel = blockwise_attention if chosen == "blockwise" else cudnn_attention.attention

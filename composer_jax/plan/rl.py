@@ -67,10 +67,14 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
                                    factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul)
         phases["teacher"] = {"teacher prefix (latents per slot)": model.num_layers * n * seq * latent * dt,
                              "teacher layer forward": t_layer.saved_total}
-        # student and teacher logits of one chunk of the windows, their softmaxes and the gradient
-        phases["backward"]["chunked logits"] = (5 * n * min(rl.loss_chunk, window) * model.vocab_size * F32
-                                                + 2 * n * window * model.hidden_size * dt)
-    phases["backward"]["chunked loss"] = act.loss_working(model, s, rl.loss_chunk, seq)
+    loss = act.loss_working(model, s, rl.loss_chunk, seq)
+    if slots:
+        # Student and teacher logits of one chunk of the windows, their softmaxes and the gradient: kept
+        # from the forward while the policy-gradient loss runs its backward, so the two add up (XLA's
+        # live ranges at the peak of the tiny RL step built for 2 x 8 H100s, docs/planning.md).
+        loss += (5 * n * min(rl.loss_chunk, window) * model.vocab_size * F32
+                 + 2 * n * window * model.hidden_size * dt)
+    phases["backward"]["chunked loss" + (" and the windows' logits" if slots else "")] = loss
     batch = rows * seq * 4 * (6 if rl.kl_coef else 5) + rows * slots * window * 8
     kept_total = sum(kept.values())
     candidates = {"backward": kept_total + state.gradients + max(phases["backward"].values()),

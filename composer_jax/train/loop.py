@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 SKIP_FILE = "skipped_records.log"  # every record the data pipeline skipped or truncated, in full
 
 
-def make_mesh(cfg: RunConfig) -> DualMesh:
+def make_mesh(cfg: RunConfig, devices=None) -> DualMesh:
     """The dual grid over `train.num_devices` devices (0 = all; all of them in a process group, ordered
-    process by process), checked against the batch and model."""
-    devices = process_major_devices()
-    n = cfg.train.num_devices or len(devices)
+    process by process), checked against the batch and model. `devices`: all of a GPU topology's
+    instead, for a deviceless compile (plan/gpu_compile.py)."""
+    topology = devices is not None
+    devices = process_major_devices() if devices is None else list(devices)
+    n = len(devices) if topology else cfg.train.num_devices or len(devices)
     if n > len(devices):
         raise ConfigError("train.num_devices", f"{n} devices requested, {len(devices)} available")
     if jax.process_count() > 1 and n != len(devices):
