@@ -21,9 +21,12 @@ import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 
-from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
+from composer_jax.cpu_devices import huge_pages_environment, use_cpu_devices  # noqa: E402
 
 use_cpu_devices(8)  # before jax starts its backend
+# The xdist workers and every CLI run a test starts inherit glibc's huge pages for malloc, as the
+# `composer-jax` script restarts itself with them (this process has started without them).
+os.environ.update(huge_pages_environment() or {})
 # The suite's time goes mostly to compiling many small programs: XLA:CPU's LLVM backend at -O0 compiles
 # them ~35% faster (inherited by the CLI runs tests start). A test dominated by running one large step
 # compiles it optimised (`.compile({"xla_backend_optimization_level": 2})`).

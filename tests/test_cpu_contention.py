@@ -128,3 +128,39 @@ def test_a_child_process_gets_the_flags_less_the_device_count():
     flags = "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     assert cpu_devices.without_device_count(flags) == "--xla_dump_to=/tmp/x --xla_backend_optimization_level=0"
     assert cpu_devices.without_device_count("") == ""
+
+
+@pytest.mark.parametrize("setting, glibc, tunables, expected", [
+    ("always [madvise] never\n", (2, 36), None, "glibc.malloc.hugetlb=1"),
+    ("always [madvise] never\n", (2, 36), "glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ("always [madvise] never\n", (2, 36), "glibc.malloc.hugetlb=0", None),   # the user's choice stands
+    ("always [madvise] never\n", (2, 31), None, None),                       # glibc without the tunable
+    ("[always] madvise never\n", (2, 36), None, None),                       # the kernel gives them unasked
+    ("always madvise [never]\n", (2, 36), None, None),
+    (None, (2, 36), None, None),                                             # no THP at all
+])
+def test_huge_pages_are_asked_for_only_where_they_change_something(tmp_path, setting, glibc, tunables, expected):
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    environ = {"HOME": "/h"} | ({"GLIBC_TUNABLES": tunables} if tunables else {})
+    env = cpu_devices.huge_pages_environment(environ, path, glibc)
+    assert (env if env is None else env["GLIBC_TUNABLES"]) == expected
+    assert env is None or env["HOME"] == "/h"
+
+
+def test_an_entry_point_restarts_in_place_with_huge_pages():
+    """The restarted process has the tunable, the same pid and the same arguments, and restarts once."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    script = ("import os, sys; from composer_jax.cpu_devices import restart_with_huge_pages; "
+              "print('start', os.getpid(), flush=True); restart_with_huge_pages(); "
+              "print(os.environ.get('GLIBC_TUNABLES'), sys.argv[1:], os.getpid())")
+    out = subprocess.run([sys.executable, "-c", script, "a", "b c"], env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    wanted = cpu_devices.huge_pages_environment(env)
+    starts = [line for line in out if line.startswith("start")]
+    pid = starts[0].split()[1]
+    if wanted is None:    # this machine has nothing to gain: no restart
+        assert out == [f"start {pid}", f"None ['a', 'b c'] {pid}"]
+    else:
+        assert out == [f"start {pid}", f"start {pid}", f"{wanted['GLIBC_TUNABLES']} ['a', 'b c'] {pid}"]
