@@ -4,7 +4,7 @@ on the same checkpoint, side by side per shape (composer_jax/bench/train_peer.py
     python tools/bench_train_peer.py --json train_peer.json [--shapes held_out,tiny_recipe]
         [--settings train.num_devices=1 --settings "train.num_devices=1 model.moe.dispatch=dense"] [--reps 5]
 
-Our side runs on the recipe's fake CPU devices (train.cpu_devices of configs/pretrain-tiny.yaml), as
+Our side runs on the recipe's fake CPU devices (train.cpu_devices of configs/pretrain-tiny.yaml: by default one per core), as
 `composer-jax pretrain` does. Prints one line per row: tokens/s of ours and of torch, the ratio, the
 first two steps' losses of both; and per shape the compiled over model FLOPs per token.
 """
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown shape {unknown[0]!r} (expected some of {', '.join(SHAPES)})")
-    use_cpu_devices(load_run_config(RECIPE).train.cpu_devices)
+    use_cpu_devices(load_run_config(RECIPE).train.host_cpu_devices)
     from composer_jax.bench.train_peer import train_peer_section
 
     settings = tuple(tuple(row.split()) for row in args.settings)

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
 
     if args.shape not in SHAPES:
         parser.error(f"--shape: unknown shape {args.shape!r} (expected one of {', '.join(SHAPES)})")
-    use_cpu_devices(load_run_config(RECIPE).train.cpu_devices)
+    use_cpu_devices(load_run_config(RECIPE).train.host_cpu_devices)
     from composer_jax.bench.profile import markdown, profile
     from composer_jax.bench.train_peer import Ours, one_document_rows, shape_config
 

@@ -86,7 +86,12 @@ def shape_config(shape: Shape, directory: Path, source: Path | None = None, sett
         overrides += shape.model
     if source is not None:
         overrides.append(f"train.init_from={source}")
-    return load_run_config(recipe_file(directory, shape.from_source), [*overrides, *settings])
+    cfg = load_run_config(recipe_file(directory, shape.from_source), [*overrides, *settings])
+    if cfg.train.num_devices:
+        return cfg
+    # `pretrain`'s process has `host_cpu_devices` fake devices and uses them all; this one may have more
+    devices = min(cfg.train.host_cpu_devices, jax.device_count())
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_devices=devices))
 
 
 def train_peer_shapes(shapes: tuple, settings: tuple = ()) -> None:

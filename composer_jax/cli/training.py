@@ -24,7 +24,7 @@ def _run_training(args, command: str) -> int:
     cfg = load_run_config(args.config, args.overrides)
     if command == "sft" and cfg.data.format != "chat":
         raise ConfigError("data.format", "sft trains on conversations (loss on assistant tokens): set data.format=chat")
-    use_cpu_devices(cfg.train.cpu_devices)
+    use_cpu_devices(cfg.train.host_cpu_devices)
     quiet_logging()
     from composer_jax.train.lifecycle import interrupted_line
     from composer_jax.train.loop import train

@@ -16,6 +16,7 @@ from typing import Literal
 from composer_jax.config import (ConfigError, MeshConfig, ModelConfig, apply_overrides, check_fits_model,
                                  command_line_overrides, from_dict, override_origin, parse_override, read_yaml,
                                  resolve_config_path, shipped_path)
+from composer_jax.cpu_devices import count_for
 from composer_jax.data.config import DataConfig
 
 
@@ -88,7 +89,9 @@ class TrainConfig:
     progress: bool = True             # the progress bar (stderr)
     peak_flops: float = 0.0           # per-device peak FLOP/s for MFU; 0 = by device kind / measured on CPU
     num_devices: int = 0              # devices to use; 0 = all
-    cpu_devices: int = 8              # fake host devices for CPU runs (set before JAX starts)
+    # fake host devices for CPU runs (set before JAX starts); 0 = one per usable core, at most 8, a power of
+    # two dividing the micro-batch (`cpu_devices.count_for`: the fastest measured)
+    cpu_devices: int = 0
     seed: int = 0                     # model initialisation
     # the model the run starts from: a Hugging Face, converted or run directory (its latest checkpoint), or a
     # Hugging Face model id (org/name: from the local Hugging Face cache, downloaded when missing; a local path
@@ -97,13 +100,20 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "loss_chunk", "log_every", "eval_every",
-                     "eval_batches", "cpu_devices"):
+                     "eval_batches"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}")
         if self.batch_size % self.grad_accum:
             raise ConfigError("batch_size", f"{self.batch_size} is not divisible by grad_accum={self.grad_accum}")
         if self.mtp_distill_weight < 0 or self.peak_flops < 0 or self.num_devices < 0:
             raise ConfigError("mtp_distill_weight", "mtp_distill_weight, peak_flops, num_devices must be >= 0")
+        if self.cpu_devices < 0:
+            raise ConfigError("cpu_devices", f"must be >= 0 (0: one per core), got {self.cpu_devices}")
+
+    @property
+    def host_cpu_devices(self) -> int:
+        """`cpu_devices`, or where 0 the count `cpu_devices.count_for` picks for the micro-batch."""
+        return self.cpu_devices or count_for(self.batch_size // self.grad_accum)
 
 
 @dataclasses.dataclass(frozen=True)
