@@ -20,8 +20,11 @@ def test_teacher_cost_follows_the_turn_not_the_trajectory():
     naive_long, _ = teacher_flops(MODEL, 128, 16, "full", "lowered")
     print(f"teacher FLOPs {base:.3e} (share {base_share:.3f}); 4x prefix {long_context:.3e} (share "
           f"{long_share:.3f}); 2x turn {long_turn:.3e}; naive teacher {naive:.3e} -> {naive_long:.3e}")
-    # Flat in the prefix: what remains is attention to the prefix and decompressing its latents.
-    assert long_context / base < 1.25
+    # Flat in the prefix: what remains is attention to the prefix and decompressing its latents (7.1e6
+    # here, a third of the teacher at the short prefix now that CPU's grouped expert matmuls count only
+    # their blocks), a small part of what the same prefix adds to the naive teacher (8.4e7).
+    assert long_context / base < 1.5
+    assert long_context - base < 0.2 * (naive_long - naive)
     assert long_share < base_share
     # Grows with the turn.
     assert long_turn / base > 1.6
