@@ -20,6 +20,10 @@ transparent huge pages on malloc's blocks where the kernel gives them on request
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -30,6 +34,8 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 THREAD_VARS = ("PJRT_NPROC", "NPROC")  # XLA's CPU-client pool size, in the order XLA reads them
 HUGE_PAGES = "glibc.malloc.hugetlb=1"   # glibc >= 2.35: madvise(MADV_HUGEPAGE) on malloc's blocks
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+CUDA_PLUGIN = "jax_plugins.xla_cuda12"    # the `cuda12` extra's (deviceless GPU compiles)
 
 
 def _usable_cores() -> int:
@@ -132,3 +138,44 @@ def restart_with_huge_pages() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """File descriptor 2 to /dev/null for the block (what C++ libraries print as they load, too)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def quiet_cuda_plugin_without_driver(environ: MutableMapping[str, str] = os.environ,
+                                     driver: Path = NVIDIA_DRIVER) -> bool:
+    """JAX's CUDA plugin installed (the `cuda12` extra, for `plan --compile-for`) on a machine without an
+    NVIDIA driver: JAX would start CUDA first and print the traceback of its failure, and the plugin's
+    libraries print "Could not find cuda drivers" lines as they load. Here JAX_PLATFORMS becomes `cpu`
+    unless it is set (or a TPU runtime is installed), and the plugin's libraries are loaded once with
+    stderr silenced (JAX then finds them loaded). Returns whether it did; nothing happens where a driver
+    exists or the plugin is missing."""
+    if driver.exists():
+        return False
+    try:
+        spec = importlib.util.find_spec(CUDA_PLUGIN)
+    except ModuleNotFoundError:    # no jax_plugins namespace at all
+        return False
+    if spec is None or spec.origin is None:
+        return False
+    if "JAX_PLATFORMS" not in environ and importlib.util.find_spec("libtpu") is None:
+        environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:   # imported already: its setting was read from the environment then
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+    with _stderr_silenced():
+        importlib.import_module(CUDA_PLUGIN)
+        for library in Path(spec.origin).parent.glob("*.so"):
+            ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    return True

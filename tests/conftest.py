@@ -21,8 +21,10 @@ import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 
-from composer_jax.cpu_devices import huge_pages_environment, use_cpu_devices  # noqa: E402
+from composer_jax.cpu_devices import (huge_pages_environment, quiet_cuda_plugin_without_driver,  # noqa: E402
+                                     use_cpu_devices)
 
+quiet_cuda_plugin_without_driver()  # the cuda12 extra's plugin (tests/test_gpu_compile.py) without a GPU driver
 use_cpu_devices(8)  # before jax starts its backend
 # The xdist workers and every CLI run a test starts inherit glibc's huge pages for malloc, as the
 # `composer-jax` script restarts itself with them (this process has started without them).

@@ -14,6 +14,7 @@ import pytest
 from composer_jax import cli
 from composer_jax.bench.suite import SECTIONS
 from composer_jax.bench.timing import _python_scan, flops_of, unrolled_loops
+from composer_jax.cpu_devices import count_for
 
 
 def _close(a, b, rel=1e-9):
@@ -119,13 +120,13 @@ def test_decode_peer_rows_follow_the_measurements(quick):
 
 @pytest.mark.slow
 def test_train_peer_matches_torch_on_the_first_step(quick):
-    """Our step (pretrain's defaults: 8 devices, the recipe's dispatch) and the PyTorch loop over
+    """Our step (pretrain's defaults: a device per core, the recipe's dispatch) and the PyTorch loop over
     transformers' model start from one checkpoint on one batch: their first losses agree to fp32
     rounding (the independent check), their second ones nearly, and the ratios follow from the
     recorded times."""
     r = quick["train_peer"]["shapes"]["tiny_quick"]
     (row,) = r["rows"]
-    assert row["name"] == "ours" and row["devices"] == 8 and row["dispatch"] == "dense"
+    assert row["name"] == "ours" and row["devices"] == count_for(r["batch_size"]) and row["dispatch"] == "dense"
     assert r["torch"]["threads"] == quick["train_peer"]["cpus"]
     assert abs(row["first_loss"] - r["torch"]["first_loss"]) < 1e-4 * r["torch"]["first_loss"]
     assert r["first_loss_abs_diff"] == abs(row["first_loss"] - r["torch"]["first_loss"])

@@ -2,6 +2,7 @@
 ahead of its execution on 8 devices pinned to 2 busy cores, finishes (XLA:CPU's pool deadlock, see
 `composer_jax.cpu_devices`), and `use_cpu_devices` keeps the user's own settings."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -164,3 +165,21 @@ def test_an_entry_point_restarts_in_place_with_huge_pages():
         assert out == [f"start {pid}", f"None ['a', 'b c'] {pid}"]
     else:
         assert out == [f"start {pid}", f"start {pid}", f"{wanted['GLIBC_TUNABLES']} ['a', 'b c'] {pid}"]
+
+
+def test_the_cuda_plugin_without_a_driver_starts_quietly_on_cpu(tmp_path):
+    """With the cuda12 extra's plugin installed and no NVIDIA driver, a CLI command prints nothing from the
+    plugin and runs on CPU; with a driver file present nothing is changed (checked in-process on a fake path)."""
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: 550\n")
+    env = {}
+    assert not cpu_devices.quiet_cuda_plugin_without_driver(env, driver) and env == {}
+    if importlib.util.find_spec(cpu_devices.CUDA_PLUGIN.split(".")[0]) is None or \
+            importlib.util.find_spec(cpu_devices.CUDA_PLUGIN) is None:
+        if os.environ.get("CI"):
+            pytest.fail("the cuda12 extra is not installed: pip install -e '.[test,cuda12]'")
+        pytest.skip("the cuda12 extra is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-m", "composer_jax.cli", "config", "keys", "run"], env=env,
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stderr == "" and proc.stdout.startswith("key ")

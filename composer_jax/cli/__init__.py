@@ -20,6 +20,7 @@ from composer_jax.cli.bench import _add_bench
 from composer_jax.cli.common import USAGE_ERRORS, command_error, human, human_flops
 from composer_jax.cli.models import _add_convert, _add_export, _add_generate, _add_info
 from composer_jax.cli.plan import _add_plan
+from composer_jax.cpu_devices import quiet_cuda_plugin_without_driver
 from composer_jax.cli.training import (_add_config, _add_plot, _add_pretrain, _add_rl, _add_rl_engine, _add_rollouts,
                                       _add_sft)
 
@@ -71,6 +72,7 @@ def _with_default_subcommand(parser: argparse.ArgumentParser, argv: list[str]) -
 
 
 def main(argv=None) -> int:
+    quiet_cuda_plugin_without_driver()   # before any command starts JAX
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     argv = _with_default_subcommand(parser, argv)
