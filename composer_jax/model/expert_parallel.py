@@ -8,7 +8,7 @@ token shard and its slice of the experts (`experts / ep`, embed dim / efsdp):
   its own tokens (the replicated-experts reference).
   (Under the inference placement the experts' embed dim is whole: nothing to gather.)
 - `ep_a2a`: each device packs its token copies into a fixed-capacity buffer per destination `ep` rank,
-  `all_to_all`s them to the devices owning their experts, runs `ragged_dot` on what it received, and
+  `all_to_all`s them to the devices owning their experts, runs the grouped matmuls (`dispatch.grouped_swiglu`) on what it received, and
   `all_to_all`s the results back.
 - `ep_ragged`: the same exchange with `jax.lax.ragged_all_to_all`: exact-size sends, one receive
   buffer per device. XLA:CPU does not implement it: GPU/TPU only, checked by tools/device_check.sh.
