@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import importlib.util
 import os
 import re
@@ -161,8 +160,8 @@ def quiet_cuda_plugin_without_driver(environ: MutableMapping[str, str] = os.envi
     libraries print "Could not find cuda drivers" lines as they load. Here JAX_PLATFORMS becomes `cpu`
     unless it is set (or a TPU runtime is installed), and the plugin's libraries are loaded once with
     stderr silenced (JAX then finds them loaded). Returns whether it did; nothing happens where a driver
-    exists or the plugin is missing."""
-    if driver.exists():
+    exists, the plugin is missing or already loaded."""
+    if driver.exists() or CUDA_PLUGIN in sys.modules:   # a driver, or the plugin loaded already
         return False
     try:
         spec = importlib.util.find_spec(CUDA_PLUGIN)

@@ -4,7 +4,7 @@
 
 Our side is what `composer-jax pretrain` runs: the run config is read from configs/pretrain-tiny.yaml
 with `train.init_from` naming the checkpoint, and the step, the mesh and the state come from the
-loop's own `Trainer` (its defaults: every device, the run's dispatch; the weights streamed in through
+loop's own `Trainer` (its defaults: a fake device per core, the run's dispatch; the weights streamed in through
 the source path). Optional rows add dotted settings (`train.num_devices=1`, `model.moe.dispatch=dense`).
 The peer: AdamW with the same learning-rate schedule, betas, eps and weight decay (matrices only, as
 ours), global-norm clipping at the same norm, loss = mean next-token cross-entropy (`labels=ids`),
@@ -121,7 +121,7 @@ class Ours:
 
     def __init__(self, cfg: RunConfig, rows: dict):
         self.trainer = Trainer(cfg)
-        self.batch = self.trainer.batches._on_device(rows, self.trainer.batches.train_sharding,
+        self.batch = self.trainer.batches.on_device(rows, self.trainer.batches.train_sharding,
                                                      (cfg.train.grad_accum, -1, cfg.train.seq_len))
 
     def __call__(self) -> jax.Array:

@@ -42,20 +42,21 @@ class Batches:
         self._eval_batches = None
 
     @staticmethod
-    def _on_device(batch: dict, sharding, shape) -> dict:
+    def on_device(batch: dict, sharding, shape) -> dict:
+        """Host rows (this process's share) as global arrays of `shape` laid out by `sharding`."""
         return {k: jax.make_array_from_process_local_data(sharding, v.reshape(shape)) for k, v in batch.items()}
 
     def next(self) -> dict:
         """The next train batch as int32[grad_accum, micro_batch, seq] arrays sharded over the data axes."""
         accum, seq = self.cfg.train.grad_accum, self.cfg.train.seq_len
-        return self._on_device(next(self.iterator), self.train_sharding, (accum, -1, seq))
+        return self.on_device(next(self.iterator), self.train_sharding, (accum, -1, seq))
 
     def eval_batches(self) -> list[dict]:
         """The first `eval_batches` held-out batches (the same ones every time), on device."""
         if self._eval_batches is None:
             batches = []
             for batch in self.eval_data:
-                batches.append(self._on_device(batch, self.eval_sharding, batch["tokens"].shape))
+                batches.append(self.on_device(batch, self.eval_sharding, batch["tokens"].shape))
                 if len(batches) == self.cfg.train.eval_batches:
                     break
             if not batches:
