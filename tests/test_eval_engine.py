@@ -360,3 +360,16 @@ def test_bad_models_and_settings_are_one_line_errors(run_dir, tmp_path, capsys):
         "'dispatch'?")
     assert error(run_dir, "max_len=4096") == (
         f"max_len=4096 exceeds the model's {CONTEXT} positions (rope.max_position_embeddings)")
+
+
+def test_the_evaluations_workers_size_the_engines_slots(run_dir):
+    """`eval --workers N` gives the engine N slots (at most the default 8) unless `max_slots` is set: an
+    empty slot still decodes every step, so 8 slots for 1 worker made the tiny model's decode 5x slower."""
+    from composer_jax.agents import load_agent
+
+    for workers, overrides, slots in ((1, (), 1), (20, (), 8), (2, ("max_slots=3",), 3), (0, (), 8)):
+        agent = load_agent(str(run_dir), overrides=overrides, episodes_at_once=workers)
+        try:
+            assert agent.engine.max_slots == slots, (workers, overrides)
+        finally:
+            agent.close()

@@ -274,12 +274,15 @@ def _load_error(spec: str, e: BaseException) -> AgentError:
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")   # agent settings a run records that sample
 
 
-def open_engine_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = ()) -> EngineAgent:
+def open_engine_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = (),
+                      episodes_at_once: int = 0) -> EngineAgent:
     """An EngineAgent for the model directory `spec` (composer_jax.source_weights.open_model: a Hugging Face
     directory, a converted directory or a training run's latest checkpoint, with its tokenizer; a model
     without one must be byte-level: a 256-id vocabulary). Its chat format and the sampling it was trained
     with (the run's agent settings) are the defaults; `overrides`: `key=value` EngineAgentConfig fields and
-    `model.KEY=VALUE` model config changes; `temperature`, when given, wins over theirs. The agent's
+    `model.KEY=VALUE` model config changes; `temperature`, when given, wins over theirs. `episodes_at_once`
+    (the caller's workers; 0: unknown) sizes `max_slots` unless an override sets it: a slot nobody fills
+    still decodes every step (8 slots for 1 episode made the tiny model's decode 5x slower). The agent's
     `trained_with` holds the recorded agent settings (tools, tool-output limit, turns) for the environment."""
     from composer_jax.source_weights import open_model
 
@@ -300,6 +303,8 @@ def open_engine_agent(spec: str, *, temperature: float | None = None, overrides:
     defaults = {k: trained[k] for k in SAMPLING_KEYS if trained.get(k) is not None}
     if opened.chat.format:
         defaults["format"] = opened.chat.format
+    if episodes_at_once:
+        defaults["max_slots"] = min(episodes_at_once, EngineAgentConfig.max_slots)
     try:
         config = config_lib.from_dict(EngineAgentConfig, config_lib.apply_overrides(EngineAgentConfig, defaults,
                                                                                     agent_overrides))

@@ -12,13 +12,15 @@ from composer_jax.agents.protocol import Agent
 from composer_jax.agents.scripted import SCRIPTED, ScriptedAgent
 
 
-def load_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = ()) -> Agent:
+def load_agent(spec: str, *, temperature: float | None = None, overrides: Sequence[str] = (),
+               episodes_at_once: int = 0) -> Agent:
     """The agent a MODEL argument names; `temperature` None: the agent's default.
 
     `scripted:PATH`: a ScriptedAgent (it does not sample: a temperature or settings are an error).
     Anything else is a model (a Hugging Face directory or model id, a converted directory or a training
     run) sampled by the inference engine: an EngineAgent, configured by `overrides` (`key=value`:
-    EngineAgentConfig fields, `model.KEY=VALUE` model config changes). Call its `close()` when done."""
+    EngineAgentConfig fields, `model.KEY=VALUE` model config changes; `episodes_at_once`, the episodes
+    the caller runs together, sizes its slots unless `max_slots` is given). Call its `close()` when done."""
     if spec.startswith(SCRIPTED):
         if temperature is not None:
             raise AgentError(f"MODEL {spec!r}: a scripted agent does not sample; --temperature does not apply")
@@ -27,4 +29,4 @@ def load_agent(spec: str, *, temperature: float | None = None, overrides: Sequen
         return ScriptedAgent(spec[len(SCRIPTED):])
     from composer_jax.agents.engine_agent import open_engine_agent   # jax: only for a model
 
-    return open_engine_agent(spec, temperature=temperature, overrides=overrides)
+    return open_engine_agent(spec, temperature=temperature, overrides=overrides, episodes_at_once=episodes_at_once)

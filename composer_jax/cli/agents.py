@@ -208,7 +208,8 @@ def _run_eval(args) -> int:
     out = args.out or f"eval-{_slug(args.model)}-{_slug(args.tasks_dir)}"
     try:
         tasks = load_task_set(args.tasks_dir)
-        agent = load_agent(args.model, temperature=args.temperature, overrides=args.overrides)
+        agent = load_agent(args.model, temperature=args.temperature, overrides=args.overrides,
+                           episodes_at_once=args.workers)
         try:
             trained = getattr(agent, "trained_with", {})    # the run's own agent settings are the defaults
             config = EvalConfig(samples=args.samples, max_turns=args.max_turns or trained.get("max_turns") or 30,

@@ -22,6 +22,22 @@ PEAK_FLOPS = {
 }
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch: its writer module imports torch whenever it is
+    installed (1.4 s of every run's start) only to accept torch tensors, and runs log Python floats. A torch
+    already imported is left as it is."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None   # `import torch` raises ImportError, which tensorboardX expects
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 def device_peak_flops(device) -> float | None:
     """Datasheet peak of a known accelerator, else None."""
     kind = getattr(device, "device_kind", "")
@@ -94,12 +110,10 @@ class MetricsWriter:
             tmp.replace(path)
         self._jsonl = open(path, "a", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             tb_dir = self.run_dir / "tb"
             for old in tb_dir.glob("*tfevents*") if tb_dir.is_dir() else ():
                 old.unlink()
-            self._tb = SummaryWriter(str(tb_dir), flush_secs=10)
+            self._tb = summary_writer_class()(str(tb_dir), flush_secs=10)
             for rec in kept:
                 self._scalars(rec)
 
