@@ -217,3 +217,44 @@ def test_self_distillation_mean_over_flagged_tokens():
     mask = jnp.array([[0, 1, 1], [0, 0, 1]], jnp.float32)
     _close(losses.self_distillation_loss(d, mask), (2 + 3 + 6) / 3)
     _close(losses.self_distillation_loss(d, jnp.zeros_like(mask)), 0.0)
+
+
+def test_chunked_heads_are_reduced_once_not_once_per_chunk():
+    """`rows.chunked` with an output head, rows sharded over 8 devices, 4 chunks: log-probabilities and
+    entropies, and their gradients for the head and the hidden states, equal one unchunked computation
+    without a mesh; the head's gradient crosses devices once (one head's bytes reduced, not one per chunk)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from composer_jax.rl.rows import chunked
+    from tests.test_train_losses import collective_bytes
+
+    rows, seq, e, v = 8, 60, 16, 256    # 60 positions: the last of 4 chunks of 16 is padded
+    rng = np.random.default_rng(1)
+    head = jnp.asarray(rng.normal(size=(e, v)) * 0.3, jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(rows, seq, e)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, v, (rows, seq)), jnp.int32)
+    coef = jnp.asarray(rng.normal(size=(rows, seq)), jnp.float32)
+
+    def stats(head, h, y):
+        logits = jnp.dot(h, head)
+        return losses.token_logprobs(logits, y), losses.token_entropy(logits)
+
+    def objective(fn):
+        def f(head, hidden, targets):
+            logp, entropy = fn(head, hidden, targets)
+            return jnp.sum(coef * logp) + 0.1 * jnp.sum(entropy), (logp, entropy)
+        return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+
+    (_, want_stats), want_grads = objective(stats)(head, hidden, targets)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(head, NamedSharding(mesh, P())),
+                *(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (hidden, targets)))
+        program = jax.jit(objective(lambda hd, h, y: chunked(stats, 16, h, y, heads=(hd,))))
+        compiled = program.lower(*args).compile()
+        (_, got_stats), got_grads = compiled(*args)
+    for got, want in zip((*got_stats, *got_grads), (*want_stats, *want_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    moved = collective_bytes(compiled.as_text(), 8, "data")
+    assert e * v * 4 <= moved < 1.5 * e * v * 4, moved

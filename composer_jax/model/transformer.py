@@ -21,6 +21,11 @@ from composer_jax.parallel.mesh import DualMesh
 from composer_jax.parallel.partitioning import activation_spec, gather_sequence, record_layout
 
 
+def head_logits(head: jax.Array, hidden: jax.Array) -> jax.Array:
+    """float32 logits [..., vocab] of hidden [..., embed] through an output head [embed, vocab]."""
+    return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
 def document_positions(segment_ids: jax.Array) -> jax.Array:
     """int32[batch, seq]: positions restarting at 0 where the segment id changes (packed documents)."""
     idx = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None]
@@ -220,9 +225,13 @@ class CausalLM(nnx.Module):
                                                       return_latents=True, absorbed=absorbed)
         return out, normed, stats["latent"]
 
+    def head(self, dtype) -> jax.Array:
+        """The untied output head [embed, vocab] in `dtype`, whole (gathered if FSDP-sharded)."""
+        return weight(self.lm_head, dtype)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[..., embed] -> float32 logits [..., vocab] through the untied output head."""
-        return jnp.dot(hidden, weight(self.lm_head, hidden.dtype), preferred_element_type=jnp.float32)
+        return head_logits(self.head(hidden.dtype), hidden)
 
     def __call__(self, tokens, segment_ids=None, positions=None) -> jax.Array:
         """tokens: int32[batch, seq] -> float32 logits [batch, seq, vocab]."""

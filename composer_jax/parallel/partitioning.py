@@ -17,6 +17,8 @@ batch of one works on any grid; the expert dispatch pads and spreads the tokens 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -157,6 +159,66 @@ def gather_whole(x: jax.Array) -> jax.Array:
     if any(axis is not None for axis in jax.typeof(x).sharding.spec):
         return jax.sharding.reshard(x, P())
     return x
+
+
+def row_shards(x: jax.Array) -> tuple[tuple[str, ...], int]:
+    """The mesh axes that shard x's leading (row) dimension, and how many shards they make: ((), 1) when
+    that dimension is whole."""
+    sharding = jax.typeof(x).sharding
+    first = sharding.spec[0] if not sharding.mesh.empty and len(sharding.spec) else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    n = 1
+    for axis in axes:
+        n *= sharding.mesh.shape[axis]
+    return axes, n
+
+
+def split_by_row_shard(x: jax.Array, like: jax.Array | None = None) -> jax.Array:
+    """[rows, ...] -> [n, rows / n, ...]: the n row shards of x (or of `like`, whose rows x's follow) as a
+    leading dimension, each on its devices."""
+    axes, n = row_shards(x if like is None else like)
+    shape = (n, x.shape[0] // n, *x.shape[1:])
+    if not axes:
+        return x.reshape(shape)
+    return jnp.reshape(x, shape, out_sharding=P(axes, *[None] * (x.ndim)))
+
+
+def copy_per_row_shard(w: jax.Array, rows: jax.Array) -> jax.Array:
+    """w (whole) -> [n, *w.shape]: one copy of w beside each of the n row shards of `rows`.
+
+    For a loop over chunks of the rows that uses w whole (the output head in a chunked loss): used as a
+    copy per shard, w's gradient is summed over the chunks on each shard's devices, and the copies'
+    gradients meet in one all-reduce after the loop instead of an all-reduce of a w-sized gradient per
+    chunk. (The backward sums the copies on their devices first; autodiff's own transpose would gather
+    all n copies to every device, then sum.)"""
+    axes, n = row_shards(rows)
+    return _copies(w, n, P(axes, *[None] * w.ndim) if axes else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _copies(w, n: int, spec):
+    copies = jnp.broadcast_to(w[None], (n, *w.shape))
+    return jax.sharding.reshard(copies, spec) if spec is not None else copies
+
+
+def _copies_fwd(w, n, spec):
+    return _copies(w, n, spec), None
+
+
+def _copies_bwd(n, spec, _, g):
+    return (jnp.sum(g, axis=0),)
+
+
+_copies.defvjp(_copies_fwd, _copies_bwd)
+
+
+def merge_row_shards(x: jax.Array) -> jax.Array:
+    """[n, rows / n, ...] -> [rows, ...], the inverse of `split_by_row_shard`."""
+    axes, _ = row_shards(x)
+    shape = (x.shape[0] * x.shape[1], *x.shape[2:])
+    if not axes:
+        return x.reshape(shape)
+    return jnp.reshape(x, shape, out_sharding=P(axes, *[None] * (x.ndim - 2)))
 
 
 def expert_dispatch_specs(dual: DualMesh) -> tuple[P, P, P]:

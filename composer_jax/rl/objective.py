@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.model import CausalLM
+from composer_jax.model.transformer import head_logits
 from composer_jax.model.layers import weight
 from composer_jax.parallel.partitioning import gather_sequence, gather_whole
 from composer_jax.rl import losses
@@ -95,12 +96,13 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
     hidden = gather_sequence(out.hidden)       # per-row shifts and gathers below need whole rows
 
     # Student statistics of every token from the previous position's logits; slot 0 has none.
-    def stats(h, targets):
-        logits = model.logits(h)                                                         # [b, chunk, V]
+    def stats(head, h, targets):
+        logits = head_logits(head, h)                                                    # [b, chunk, V]
         return losses.token_logprobs(logits, targets), losses.token_entropy(logits)
 
     pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
-    logp, entropy = map(pad, chunked(stats, cfg.loss_chunk, hidden[:, :-1], tokens[:, 1:]))
+    logp, entropy = map(pad, chunked(stats, cfg.loss_chunk, hidden[:, :-1], tokens[:, 1:],
+                                     heads=(model.head(hidden.dtype),)))
     mask = batch.generated.astype(jnp.float32)
     n = totals.normalizer
 
@@ -131,7 +133,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
     if feedback:
         terms["sd"] = _self_distillation(model, teacher, hidden, out.latents, batch, weights, totals, cfg)
     if depths:
-        head = sg(weight(model.lm_head, hidden.dtype))
+        head = sg(model.head(hidden.dtype))
         _, kl, accept = lm_losses.mtp_loss_sums(hidden, out.mtp_hidden, head, tokens, batch.segment_ids,
                                                 batch.generated, chunk=cfg.loss_chunk, with_ce=False, distill=True)
         terms["mtp"] = lm_losses.depth_mean(kl, totals.mtp_targets, cfg.mtp_distill_weight)
@@ -147,9 +149,9 @@ def _self_distillation(model: CausalLM, teacher: CausalLM, hidden: jax.Array, la
     k = batch.teacher_tokens.shape[1]
     teacher_h = teacher_predictions(teacher, hidden, latents, fb, batch, cfg.teacher_context)
     student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
-    divergence, = chunked(lambda hs, ht, y: (losses.distill_divergence(
-        model.logits(hs), teacher.logits(ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
-        cfg.loss_chunk, student_h, teacher_h, fb.tokens)
+    divergence, = chunked(lambda head_s, head_t, hs, ht, y: (losses.distill_divergence(
+        head_logits(head_s, hs), head_logits(head_t, ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
+        cfg.loss_chunk, student_h, teacher_h, fb.tokens, heads=(model.head(hidden.dtype), teacher.head(teacher_h.dtype)))
     if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
         divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
     sd_mask = (fb.map >= 0).astype(jnp.float32)

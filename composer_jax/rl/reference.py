@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from composer_jax.model.transformer import head_logits
 from composer_jax.parallel.distributed import to_host
 from composer_jax.parallel.partitioning import gather_sequence
 from composer_jax.rl import losses
@@ -28,8 +29,8 @@ class ReferencePolicy:
         def logprobs(state, tokens, segment_ids, positions, generated):
             ref = nnx.merge(self.graphdef, state)
             hidden = gather_sequence(ref.forward(tokens, segment_ids, positions).hidden)
-            logp, = chunked(lambda h, y: (losses.token_logprobs(ref.logits(h), y),), loss_chunk, hidden[:, :-1],
-                            tokens[:, 1:])
+            logp, = chunked(lambda head, h, y: (losses.token_logprobs(head_logits(head, h), y),), loss_chunk,
+                            hidden[:, :-1], tokens[:, 1:], heads=(ref.head(hidden.dtype),))
             logp = jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)   # slot 0 has no context
             return jnp.where(generated, logp, 0.0)
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.parallel.partitioning import gather_sequence
+from composer_jax.parallel.partitioning import copy_per_row_shard, gather_sequence, merge_row_shards, split_by_row_shard
 
 
 def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -30,17 +30,24 @@ def repeat_rows(x: jax.Array, k: int, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] * k,) + x.shape[axis + 2:])
 
 
-def chunked(fn, chunk: int, *xs: jax.Array):
+def chunked(fn, chunk: int, *xs: jax.Array, heads: tuple[jax.Array, ...] = ()):
     """fn over [rows, seq, ...] arrays `chunk` positions at a time, each chunk rematerialised in the
     backward pass: only one [rows, chunk, vocab] block of logits exists at once. fn returns a tuple of
-    [rows, chunk] arrays; returns them as [rows, seq]."""
+    [rows, chunk] arrays; returns them as [rows, seq].
+
+    heads: whole arrays every chunk uses (output heads [embed, vocab]), passed to fn first. Each row shard
+    uses its own copy (`copy_per_row_shard`), so a head's gradient adds up over the chunks on the shard's
+    devices and is reduced across shards once, after the loop: not gathered and all-reduced per chunk."""
     rows, seq = xs[0].shape[:2]
     chunk = min(chunk, seq)
     n = -(-seq // chunk)
 
-    def split(x):  # [rows, seq, ...] -> [n, rows, chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, n * chunk - seq)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(rows, n, chunk, *x.shape[2:]), 1, 0)
+    def split(x):  # [rows, seq, ...] -> [n, shards, rows / shards, chunk, ...]
+        x = split_by_row_shard(jnp.pad(x, [(0, 0), (0, n * chunk - seq)] + [(0, 0)] * (x.ndim - 2)), xs[0])
+        return jnp.moveaxis(x.reshape(*x.shape[:2], n, chunk, *x.shape[3:]), 2, 0)
 
-    outs = jax.lax.map(lambda args: jax.checkpoint(fn)(*args), tuple(split(x) for x in xs))
-    return tuple(jnp.moveaxis(o, 0, 1).reshape(rows, n * chunk)[:, :seq] for o in outs)
+    copies = tuple(copy_per_row_shard(head, xs[0]) for head in heads)
+    per_shard = jax.vmap(jax.checkpoint(fn))
+    outs = jax.lax.map(lambda args: per_shard(*copies, *args), tuple(split(x) for x in xs))
+    # [n, shards, rows / shards, chunk] -> [rows, seq]
+    return tuple(merge_row_shards(jnp.moveaxis(o, 0, 2).reshape(*o.shape[1:3], n * chunk))[:, :seq] for o in outs)

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from composer_jax.model.mtp import shift_left
-from composer_jax.parallel.partitioning import gather_sequence
+from composer_jax.model.transformer import head_logits
+from composer_jax.parallel.partitioning import copy_per_row_shard, gather_sequence, split_by_row_shard
 
 
 def mtp_target_mask(segment_ids: jax.Array, depth: int) -> jax.Array:
@@ -54,14 +55,9 @@ def shift_hidden_left(h: jax.Array, k: int) -> jax.Array:
     return jnp.concatenate([h[:, k:], jnp.zeros_like(h[:, :k])], axis=1)[:, : h.shape[1]]
 
 
-def _head_logits(head, h):
-    """[batch, chunk, vocab] float32 logits of h [batch, chunk, embed] through head [embed, vocab]."""
-    return jnp.dot(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-
-
 def _teacher_probs(head, teacher):
     """The teacher's log-probabilities and probabilities over the vocab, f32[batch, chunk, vocab] each."""
-    t_logp = jax.nn.log_softmax(_head_logits(head, teacher), axis=-1)
+    t_logp = jax.nn.log_softmax(head_logits(head, teacher), axis=-1)
     return t_logp, jnp.exp(t_logp)
 
 
@@ -71,7 +67,7 @@ def _chunk_forward(head, h, labels, weights, teacher, with_ce: bool):
     sampling keeps a token drafted from the student (kept with min(1, p/q)): a metric, no gradient.
     h: [batch, chunk, embed]. The label's logit is picked with a one-hot select, which fuses into the
     reduction (`take_along_axis` is a gather whose gradient is a scatter)."""
-    logits = _head_logits(head, h)                                             # [batch, chunk, vocab]
+    logits = head_logits(head, h)                                             # [batch, chunk, vocab]
     lse = jax.nn.logsumexp(logits, axis=-1)
     sums = []
     if with_ce:
@@ -106,7 +102,7 @@ def _chunk_sums_fwd(head, h, labels, weights, teacher, with_ce):
 
 def _chunk_sums_bwd(with_ce, residuals, ct):
     head, h, labels, weights, teacher = residuals
-    logits = _head_logits(head, h)
+    logits = head_logits(head, h)
     p = jax.nn.softmax(logits, axis=-1)
     ct_ce = ct[0] if with_ce else 0.0
     ct_kl = ct[int(with_ce)] if teacher is not None else 0.0
@@ -117,10 +113,7 @@ def _chunk_sums_bwd(with_ce, residuals, ct):
         g = g - ct_kl * _teacher_probs(head, teacher)[1]
     g = (g * weights[..., None]).astype(h.dtype)                              # d sums / d logits
     d_h = jnp.einsum("bcv,dv->bcd", g, head.astype(h.dtype), preferred_element_type=jnp.float32)
-    # a sum over the batch, which may be sharded: the head's gradient takes the head's own sharding
-    mesh_free = jax.sharding.get_abstract_mesh().empty
-    d_head = jnp.einsum("bcd,bcv->dv", h, g, preferred_element_type=jnp.float32,
-                        out_sharding=None if mesh_free else jax.typeof(head).sharding)
+    d_head = jnp.einsum("bcd,bcv->dv", h, g, preferred_element_type=jnp.float32)  # this shard's rows only
     return d_head.astype(head.dtype), d_h.astype(h.dtype), None, None, None
 
 
@@ -134,24 +127,29 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
     hidden: [batch, seq, embed] (whole sequences); head: [embed, vocab] (whole); labels: int[batch, seq];
     weights: f32[batch, seq]; teacher: [batch, seq, embed] hidden states whose head distribution is the
     stop-gradient KL target. The sequence is cut into chunks of `chunk` positions, so one
-    [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard).
+    [batch, chunk, vocab] block of logits exists at a time (per device: its batch shard). Each batch shard
+    works with its own copy of the head (`copy_per_row_shard`), so the head's gradient adds up over the
+    chunks on each shard and is reduced across shards once, not once per chunk.
     Returns the CE sum (unless `with_ce=False`), then the KL and acceptance sums (with a teacher):
     f32[1], f32[2] or f32[3].
     """
-    b, s, _ = hidden.shape
+    if not with_ce and teacher is None:
+        raise ValueError("head_loss_sums: nothing to compute (with_ce=False and no teacher)")
+    s = hidden.shape[1]
     chunk = min(chunk, s)
     pad = (-s) % chunk
 
-    def chunks(x):  # [batch, seq, ...] -> [num_chunks, batch, chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(b, (s + pad) // chunk, chunk, *x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+    def chunks(x):  # [batch, seq, ...] -> [num_chunks, shards, batch / shards, chunk, ...] (hidden's shards)
+        x = split_by_row_shard(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), hidden)
+        x = x.reshape(*x.shape[:2], (s + pad) // chunk, chunk, *x.shape[3:])
+        return jnp.moveaxis(x, 2, 0)
 
     xs = (chunks(hidden), chunks(labels), chunks(weights), None if teacher is None else chunks(teacher))
-    if not with_ce and teacher is None:
-        raise ValueError("head_loss_sums: nothing to compute (with_ce=False and no teacher)")
+    heads = copy_per_row_shard(head, hidden)                                 # [shards, embed, vocab]
+    per_shard = jax.vmap(lambda hd, h, y, w, t: _chunk_sums(hd, h, y, w, t, with_ce))
+
     def body(total, x):
-        return total + _chunk_sums(head, *x, with_ce), None
+        return total + per_shard(heads, *x).sum(0), None
 
     init = jnp.zeros((int(with_ce) + 2 * int(teacher is not None),), jnp.float32)
     total, _ = jax.lax.scan(body, init, xs)

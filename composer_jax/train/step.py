@@ -44,7 +44,7 @@ def _forward_sums(cfg: RunConfig, graphdef, rest, params, biases, mb: Batch, dis
     """Loss sums and expert loads of one micro-batch ([batch, seq] arrays)."""
     model = nnx.merge(graphdef, params, biases, rest)
     out = model.forward(mb["tokens"], mb["segment_ids"], mb["positions"], remat=cfg.train.remat)
-    head = weight(model.lm_head, out.hidden.dtype)  # gathered whole if FSDP-sharded
+    head = model.head(out.hidden.dtype)  # gathered whole if FSDP-sharded
     sums = losses.lm_loss_sums(out.hidden, out.mtp_hidden, head, mb["tokens"], mb["segment_ids"],
                                mb["loss_mask"], chunk=cfg.train.loss_chunk, distill=distill)
     mtp_stats = out.mtp_stats or {}
