@@ -42,12 +42,16 @@ def chunked(fn, chunk: int, *xs: jax.Array, heads: tuple[jax.Array, ...] = ()):
     chunk = min(chunk, seq)
     n = -(-seq // chunk)
 
-    def split(x):  # [rows, seq, ...] -> [n, shards, rows / shards, chunk, ...]
-        x = split_by_row_shard(jnp.pad(x, [(0, 0), (0, n * chunk - seq)] + [(0, 0)] * (x.ndim - 2)), xs[0])
-        return jnp.moveaxis(x.reshape(*x.shape[:2], n, chunk, *x.shape[3:]), 2, 0)
+    def split(x):  # [rows, seq, ...] -> [n, rows, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, n * chunk - seq)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(rows, n, chunk, *x.shape[2:]), 1, 0)
 
     copies = tuple(copy_per_row_shard(head, xs[0]) for head in heads)
     per_shard = jax.vmap(jax.checkpoint(fn))
-    outs = jax.lax.map(lambda args: per_shard(*copies, *args), tuple(split(x) for x in xs))
-    # [n, shards, rows / shards, chunk] -> [rows, seq]
-    return tuple(merge_row_shards(jnp.moveaxis(o, 0, 2).reshape(*o.shape[1:3], n * chunk))[:, :seq] for o in outs)
+
+    def one(args):  # one chunk, [rows, chunk, ...] each; by shard: [shards, rows / shards, chunk, ...]
+        outs = per_shard(*copies, *(split_by_row_shard(a, xs[0]) for a in args))
+        return tuple(merge_row_shards(o) for o in outs)
+
+    outs = jax.lax.map(one, tuple(split(x) for x in xs))
+    return tuple(jnp.moveaxis(o, 0, 1).reshape(rows, n * chunk)[:, :seq] for o in outs)

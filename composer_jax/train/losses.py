@@ -139,17 +139,18 @@ def head_loss_sums(hidden: jax.Array, head: jax.Array, labels: jax.Array, weight
     chunk = min(chunk, s)
     pad = (-s) % chunk
 
-    def chunks(x):  # [batch, seq, ...] -> [num_chunks, shards, batch / shards, chunk, ...] (hidden's shards)
-        x = split_by_row_shard(jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), hidden)
-        x = x.reshape(*x.shape[:2], (s + pad) // chunk, chunk, *x.shape[3:])
-        return jnp.moveaxis(x, 2, 0)
+    def chunks(x):  # [batch, seq, ...] -> [num_chunks, batch, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(x.shape[0], (s + pad) // chunk, chunk, *x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
 
     xs = (chunks(hidden), chunks(labels), chunks(weights), None if teacher is None else chunks(teacher))
     heads = copy_per_row_shard(head, hidden)                                 # [shards, embed, vocab]
     per_shard = jax.vmap(lambda hd, h, y, w, t: _chunk_sums(hd, h, y, w, t, with_ce))
 
-    def body(total, x):
-        return total + per_shard(heads, *x).sum(0), None
+    def body(total, x):   # x: one chunk, [batch, chunk, ...] each; by shard: [shards, batch / shards, chunk, ...]
+        by_shard = jax.tree.map(lambda a: split_by_row_shard(a, hidden), x)
+        return total + per_shard(heads, *by_shard).sum(0), None
 
     init = jnp.zeros((int(with_ce) + 2 * int(teacher is not None),), jnp.float32)
     total, _ = jax.lax.scan(body, init, xs)
