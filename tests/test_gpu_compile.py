@@ -106,6 +106,7 @@ def test_train_step_grid_handoff_adds_no_collective(train_step):
     assert not any(kind == "collective-permute" for kind, _ in kinds)
 
 
+@pytest.mark.slow   # the RL step's GPU build: about 21 s on 2 cores
 def test_rl_step_with_muon_compiles_its_exchange(rl_step):
     """Muon's orthogonalization exchange (an all-to-all of the dense weights' stacks over the dense
     grid's fsdp axis) and the ragged dispatch are built in the RL step."""

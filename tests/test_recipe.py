@@ -137,8 +137,8 @@ def test_a_checkpoint_through_every_phase_at_learning_rate_zero_exports_unchange
 @pytest.mark.slow
 def test_the_bundled_tiny_recipe_runs_phase_to_phase(tmp_path):
     """The README's "whole recipe" with its bundled configs, a few steps each: pretrain-tiny,
-    long-context-tiny, tasks and demonstrations from textkit, sft-tiny, rl-coding-tiny, eval of the SFT and
-    RL runs on the held-out tasks, eval compare, export. Every phase starts from the run before (its
+    long-context-tiny, tasks and demonstrations from textkit, sft-tiny, rl-coding-tiny (episodes of 2 turns of
+    64 tokens), eval of the SFT and RL runs on the held-out tasks, eval compare, export. Every phase starts from the run before (its
     model, tokenizer and chat format; the SFT run's agent settings reach RL and eval)."""
     env = {"HOME": str(tmp_path / "home")}                  # the bundled runs live in ~/.cache/composer-jax
     cache = tmp_path / "home" / ".cache" / "composer-jax"
@@ -150,7 +150,9 @@ def test_the_bundled_tiny_recipe_runs_phase_to_phase(tmp_path):
     _cli("tasks", "feature-deletion", CONFIG_DIR / "repos" / "textkit", tasks, "--held-out", "4", env=env)
     _cli("tasks", "demos", tasks, demos, "--tools", "read_file,edit,run,submit", "--max-output-chars", "1000", env=env)
     _cli("sft", *few, env=env)
-    _cli("rl", "rl-coding-tiny", "rl.steps=1", "eval.every=0", "progress=false", env=env)   # eval: below
+    # One RL step of shorter episodes (its own agent settings, which its eval below must then use); eval: below
+    _cli("rl", "rl-coding-tiny", "rl.steps=1", "eval.every=0", "progress=false", "rollout.max_new_tokens=64",
+         "env.max_turns=2", env=env)
     runs = cache / "runs"
     for run in ("pretrain-tiny", "long-context-tiny", "sft-tiny", "rl-coding-tiny"):
         assert json.loads((runs / run / "chat.json").read_text())["format"] == "plain", run
@@ -158,11 +160,11 @@ def test_the_bundled_tiny_recipe_runs_phase_to_phase(tmp_path):
     rl_agent = json.loads((runs / "rl-coding-tiny" / "chat.json").read_text())["agent"]
     assert rl_agent["tools"] == ["read_file", "edit", "run", "submit"] and rl_agent["max_output_chars"] == 1000
     held_out = tasks / "held-out" / "textkit.word_count"       # one of the four: a few minutes less
-    for run in ("sft-tiny", "rl-coding-tiny"):
+    for run, turns, tokens in (("sft-tiny", 6, 256), ("rl-coding-tiny", 2, 64)):   # each run's recorded settings
         _cli("eval", runs / run, held_out, "--out", tmp_path / f"eval-{run}", "--quiet", env=env)
         spec = json.loads((tmp_path / f"eval-{run}" / "run.json").read_text())
-        assert spec["tools"] == ["read_file", "edit", "run", "submit"] and spec["max_turns"] == 6
-        assert spec["agent_settings"]["temperature"] == 0.7 and spec["agent_settings"]["max_new_tokens"] == 256
+        assert spec["tools"] == ["read_file", "edit", "run", "submit"] and spec["max_turns"] == turns
+        assert spec["agent_settings"]["temperature"] == 0.7 and spec["agent_settings"]["max_new_tokens"] == tokens
     compared = _cli("eval", "compare", tmp_path / "eval-sft-tiny", tmp_path / "eval-rl-coding-tiny", env=env)
     assert "pass@1" in compared.stdout
     _cli("export", runs / "rl-coding-tiny", tmp_path / "exported", "--quiet", env=env)

@@ -78,6 +78,18 @@ def step_totals(batch: RolloutBatch, cfg: RLConfig, depths: int) -> StepTotals:
                       mtp_targets)
 
 
+def _token_stats(model: CausalLM, hidden: jax.Array, tokens: jax.Array, chunk: int):
+    """The student's log-probability of every token and its full-vocabulary entropy there, from the
+    previous position's logits (hidden [b, S, embed], tokens int[b, S]): f32[b, S] each, 0 at slot 0,
+    which has no context."""
+    def stats(head, h, targets):
+        logits = head_logits(head, h)                                                    # [b, chunk, V]
+        return losses.token_logprobs(logits, targets), losses.token_entropy(logits)
+
+    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
+    return tuple(map(pad, chunked(stats, chunk, hidden[:, :-1], tokens[:, 1:], heads=(model.head(hidden.dtype),))))
+
+
 def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantages: jax.Array, totals: StepTotals,
                cfg: RLConfig):
     """One micro-batch's share of the objective, from one student forward and one teacher forward.
@@ -95,14 +107,7 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
                         detach_mtp_inputs=True, remat=cfg.remat)
     hidden = gather_sequence(out.hidden)       # per-row shifts and gathers below need whole rows
 
-    # Student statistics of every token from the previous position's logits; slot 0 has none.
-    def stats(head, h, targets):
-        logits = head_logits(head, h)                                                    # [b, chunk, V]
-        return losses.token_logprobs(logits, targets), losses.token_entropy(logits)
-
-    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
-    logp, entropy = map(pad, chunked(stats, cfg.loss_chunk, hidden[:, :-1], tokens[:, 1:],
-                                     heads=(model.head(hidden.dtype),)))
+    logp, entropy = _token_stats(model, hidden, tokens, cfg.loss_chunk)
     mask = batch.generated.astype(jnp.float32)
     n = totals.normalizer
 
