@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from composer_jax.config import ConfigError
@@ -68,15 +67,6 @@ class SolvedEnv(ParityEnv):
                           "invalid_calls": 0, "failed_calls": 0, "malformed_turns": 0}
 
 
-def learner_step() -> float:
-    """A fixed piece of host work standing in for the learner's step; its wall time in seconds."""
-    start = time.perf_counter()
-    a = np.random.default_rng(0).standard_normal((96, 96))
-    for _ in range(500):
-        a = np.tanh(a @ a.T / 96)
-    return time.perf_counter() - start
-
-
 class TimedPool(TaskPool):
     """Records how long each poll took (it must never wait for the generation)."""
 
@@ -106,20 +96,17 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     sampler = TaskSampler(list(base), cfg.sampler)
     producer = RolloutProducer(SolvingAgent(), base, SolvedEnv, sampler, group_assembler(cfg, sampler), cfg,
                                pool=pool)
-    without_job = [learner_step() for _ in range(10)]
-    with_job, records = [], []
+    during_job, records = 0, []
     deadline = time.monotonic() + 120
     try:
         for index in range(400):
             produced = producer.produce(index)      # waits for the pool only when every task is retired
             records.append(produced.metrics)
-            if pool._job is not None:
-                with_job.append(learner_step())
+            during_job += pool._job is not None
             if not pool.growing or time.monotonic() > deadline:
                 break
     finally:
         pool.close()
-    without_job += [learner_step() for _ in range(10)]     # before and after: the machine's load drifts
     made = pool.tasks()
     levels = [t.level for t in made]
     assert not pool.growing and levels == sorted(levels, key=("body", "feature").index), levels
@@ -135,14 +122,10 @@ def test_a_run_that_solves_its_pool_grows_it_with_harder_tasks(tmp_path):
     assert last["pool_live"] + last["pool_retired"] == len(sampler.stats) and last["pool_retired/-/-"] == 24
     assert last["pool_jobs"] == 2 and last["pool_job_running"] == 0
     assert 0 < last["pool_generation_s"] <= last["pool_generation_s_total"]
-    # Never waiting: a poll takes milliseconds while a job takes seconds; the learner's step is unchanged.
+    # Never waiting: a poll takes milliseconds while a job takes seconds, and batches were produced while a
+    # job ran. (Whether the learner's step slows beside a job is a timing: tools/pool_growth.py measures it.)
     assert max(pool.polls) < min(0.25, last["pool_generation_s_total"] / 10), (max(pool.polls), last)
-    assert with_job
-    ratio = statistics.median(with_job) / statistics.median(without_job)
-    print(f"learner stand-in: {statistics.median(without_job) * 1e3:.1f} ms without a job ({len(without_job)} "
-          f"steps), {statistics.median(with_job) * 1e3:.1f} ms with one ({len(with_job)}), ratio {ratio:.2f}; "
-          f"polls max {max(pool.polls) * 1e3:.1f} ms; generation {last['pool_generation_s_total']:.1f} s")
-    assert ratio < 1.6, (with_job, without_job)     # loose: other processes share this machine's cores
+    assert during_job
 
     # A restart: the same tasks and progress from RUN_DIR/pool; the sampler's saved state names them all.
     again = TaskPool(pool_cfg, [str(repo)], tmp_path / "run" / "pool", seed=0, base_ids=list(base))
