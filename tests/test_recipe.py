@@ -138,8 +138,9 @@ def test_a_checkpoint_through_every_phase_at_learning_rate_zero_exports_unchange
 def test_the_bundled_tiny_recipe_runs_phase_to_phase(tmp_path):
     """The README's "whole recipe" with its bundled configs, a few steps each: pretrain-tiny,
     long-context-tiny, tasks and demonstrations from textkit, sft-tiny, rl-coding-tiny (episodes of 2 turns of
-    64 tokens), eval of the SFT and RL runs on the held-out tasks, eval compare, export. Every phase starts from the run before (its
-    model, tokenizer and chat format; the SFT run's agent settings reach RL and eval)."""
+    64 tokens), eval of the SFT and RL runs on the held-out tasks, eval compare, export. Every phase starts
+    from the run before (its model, tokenizer and chat format; the SFT run's agent settings reach RL, and
+    each run's reach its eval)."""
     env = {"HOME": str(tmp_path / "home")}                  # the bundled runs live in ~/.cache/composer-jax
     cache = tmp_path / "home" / ".cache" / "composer-jax"
     tasks, demos = cache / "tasks" / "textkit", cache / "data" / "textkit-demos.jsonl"

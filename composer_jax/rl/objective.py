@@ -31,7 +31,6 @@ from flax import nnx
 
 from composer_jax.model import CausalLM
 from composer_jax.model.transformer import head_logits
-from composer_jax.model.layers import weight
 from composer_jax.parallel.partitioning import gather_sequence, gather_whole
 from composer_jax.rl import losses
 from composer_jax.rl.batch import RolloutBatch
@@ -156,7 +155,8 @@ def _self_distillation(model: CausalLM, teacher: CausalLM, hidden: jax.Array, la
     student_h = take_rows(repeat_rows(hidden, k, 0), fb.map - 1)                     # [N, T, embed]
     divergence, = chunked(lambda head_s, head_t, hs, ht, y: (losses.distill_divergence(
         head_logits(head_s, hs), head_logits(head_t, ht), y, cfg.sd_divergence, cfg.sd_jsd_beta),),
-        cfg.loss_chunk, student_h, teacher_h, fb.tokens, heads=(model.head(hidden.dtype), teacher.head(teacher_h.dtype)))
+        cfg.loss_chunk, student_h, teacher_h, fb.tokens,
+        heads=(model.head(hidden.dtype), teacher.head(teacher_h.dtype)))
     if cfg.sd_divergence == "sampled_token":  # a sampled-token estimate needs y ~ student: reweight
         divergence = divergence * take_rows(repeat_rows(weights, k, 0), fb.map)
     sd_mask = (fb.map >= 0).astype(jnp.float32)
