@@ -2,7 +2,8 @@
 one JSON line in PATH (one file per xdist worker: PATH.gw0, ...) with its wall time (setup, call and
 teardown), its CPU time (the test process and the subprocesses it waited for: on a busy machine a
 steadier measure than wall time) and, from jax.monitoring's events in this process, how many programs it traced, lowered and
-compiled and the seconds each took. Programs compiled by the subprocesses a test starts (CLI runs) are
+compiled and the seconds each took, and per program name (over 0.05 s) its compiles and seconds spent
+tracing, lowering and compiling it. Programs compiled by the subprocesses a test starts (CLI runs) are
 not seen; their time counts in the test's wall time only. `python tools/compile_report.py PATH*`
 prints the table."""
 
@@ -32,25 +33,31 @@ class CompileReport:
         self.path = f"{path}.{worker}" if worker else path
         self.counts: collections.Counter = collections.Counter()
         self.seconds: collections.Counter = collections.Counter()
+        self.programs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])   # name: [compiles, seconds]
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def _on_event(self, event: str, seconds: float, **_) -> None:
+    def _on_event(self, event: str, seconds: float, fun_name: str = "?", **_) -> None:
         if event in EVENTS:
             self.counts[EVENTS[event]] += 1
             self.seconds[EVENTS[event]] += seconds
+            program = self.programs[fun_name]
+            program[0] += EVENTS[event] == "compile"
+            program[1] += seconds
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.counts.clear()
         self.seconds.clear()
+        self.programs.clear()
         start, cpu = time.perf_counter(), _cpu_seconds()
         yield
         record = {"test": item.nodeid, "wall_s": round(time.perf_counter() - start, 3),
                   "cpu_s": round(_cpu_seconds() - cpu, 3),
                   **{f"{kind}s": self.counts[kind] for kind in EVENTS.values()},
-                  **{f"{kind}_s": round(self.seconds[kind], 3) for kind in EVENTS.values()}}
+                  **{f"{kind}_s": round(self.seconds[kind], 3) for kind in EVENTS.values()},
+                  "programs": {name: [n, round(s, 3)] for name, (n, s) in self.programs.items() if s >= 0.05}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

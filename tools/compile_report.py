@@ -1,6 +1,7 @@
 """Where the suite's time goes: the per-test records of `pytest --compile-report PATH` (one file per
 xdist worker) as two tables, the slowest tests and the slowest files, each with its wall time and the
-seconds of CPU it used (with its subprocesses) and the seconds it spent tracing, lowering and compiling programs in the test process.
+seconds of CPU it used (with its subprocesses) and the seconds it spent tracing, lowering and compiling
+programs in the test process; then the programs that cost the most over the whole run, by name.
 
     python -m pytest -q -n 2 --compile-report /tmp/cr && python tools/compile_report.py /tmp/cr*
 """
@@ -35,6 +36,19 @@ def table(rows: list[tuple[str, dict]], title: str) -> str:
     return "\n".join(lines)
 
 
+def program_table(records: list[dict], top: int) -> str:
+    """The programs (by name) with the most seconds of tracing, lowering and compiling, over all tests."""
+    programs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0, 0])   # compiles, seconds, tests
+    for r in records:
+        for name, (compiles, seconds) in r.get("programs", {}).items():
+            p = programs[name]
+            p[0], p[1], p[2] = p[0] + compiles, p[1] + seconds, p[2] + 1
+    lines = ["| program | compiles | trace+lower+compile s | tests |", "|---|---|---|---|"]
+    for name, (compiles, seconds, tests) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"| {name} | {compiles} | {seconds:.1f} | {tests} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", type=Path, help="the files --compile-report wrote")
@@ -52,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     files = sorted(by_file.items(), key=lambda kv: -kv[1][args.by])[:args.top]
     print(table([(r["test"], r) for r in tests], "test"), end="\n\n")
     print(table(files, "file"), end="\n\n")
-    print(table([(f"all {len(records)} tests", total)], "total"))
+    print(table([(f"all {len(records)} tests", total)], "total"), end="\n\n")
+    print(program_table(records, args.top))
     return 0
 
 
