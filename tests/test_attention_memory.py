@@ -101,9 +101,11 @@ def test_per_layer_remat_keeps_loss_and_gradients(attention):
 @pytest.mark.slow
 def test_16k_token_sequence_trains_on_cpu():
     """One optimizer step over one 16384-token row of two packed documents (auto attention: blockwise
-    at this length): a finite loss near ln(vocab) at initialisation and updated parameters."""
+    at this length): a finite loss near ln(vocab) at initialisation and updated parameters. Two decoder
+    layers (one dense, one MoE) and the MTP layer: each attends over the whole row, and the step's run time
+    grows with their number."""
     seq = 16384
-    cfg = _cfg(seq, "auto")
+    cfg = _cfg(seq, "auto", extra=("num_layers=2",))
     dual = _one_device()
     layout = StateLayout(cfg, dual)
     with dual:

@@ -243,3 +243,20 @@ def test_python_inside_is_the_callers_virtualenv(tmp_path, workspace):
                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(venv)
+
+
+def test_sandboxed_commands_default_to_one_worker_per_core(monkeypatch):
+    """`tasks check`, the generators and `tasks demos` run one sandbox per usable core unless told, at most 8."""
+    from composer_jax.cli import build_parser
+    from composer_jax.sandbox import pool
+
+    cores = len(os.sched_getaffinity(0))
+    for usable, expected in ((1, 1), (2, 2), (64, 8)):
+        monkeypatch.setattr(pool.os, "sched_getaffinity", lambda _, n=usable: set(range(n)))
+        assert pool.default_workers() == expected
+    monkeypatch.undo()
+    parser = build_parser()
+    for argv in (["tasks", "check", "t"], ["tasks", "feature-deletion", "r", "o"], ["tasks", "bug-injection", "r", "o"],
+                 ["tasks", "demos", "t", "o.jsonl"]):
+        assert parser.parse_args(argv).workers == min(8, cores), argv
+        assert parser.parse_args([*argv, "--workers", "3"]).workers == 3, argv

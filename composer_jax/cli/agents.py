@@ -7,6 +7,7 @@ import os
 import sys
 
 from composer_jax.cli.common import command_error, command_group, non_negative_int, positive_int, subcommand
+from composer_jax.sandbox.pool import MOST_WORKERS, default_workers
 
 
 # tasks check
@@ -107,7 +108,8 @@ def _generation_arguments(p) -> None:
     p.add_argument("repo_dir", metavar="REPO_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
     p.add_argument("--max-tasks", type=positive_int, default=20, help="stop after keeping this many (default 20)")
-    p.add_argument("--workers", type=positive_int, default=1, help="candidates checked at once (default 1)")
+    p.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help=f"candidates checked at once (default: one per core, at most {MOST_WORKERS})")
     p.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
     p.add_argument("--test-command", default=None,
                    help="pytest command run from the repository root (default: python -m pytest -q without plugin "
@@ -129,7 +131,8 @@ def _add_tasks(sub) -> None:
     c.add_argument("task_dirs", nargs="+", metavar="TASK_DIR")
     c.add_argument("--solution", action="store_true", help="apply solution.patch to the copy first")
     c.add_argument("--json", default=None, metavar="OUT", help="write the JSON lines to OUT instead of stdout")
-    c.add_argument("--workers", type=positive_int, default=1, help="tasks checked at once (default 1)")
+    c.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help=f"tasks checked at once (default: one per core, at most {MOST_WORKERS})")
     c.add_argument("--backend", choices=("bwrap", "none", "ray"), default="bwrap",
                    help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine; 'ray' runs them in "
                         "bwrap on the Ray cluster at RAY_ADDRESS (pip install 'composer-jax[ray]') (default bwrap)")
@@ -191,7 +194,8 @@ def _add_tasks_demos(tasks_sub) -> None:
     d.add_argument("--hinted-share", type=float, default=0.25, metavar="S",
                    help="share of the conversations that are hinted (default 0.25)")
     d.add_argument("--seed", type=int, default=0, help="which conversations are hinted, and where (default 0)")
-    d.add_argument("--workers", type=positive_int, default=1, help="tasks played at once (default 1)")
+    d.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help=f"tasks played at once (default: one per core, at most {MOST_WORKERS})")
     d.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
                    help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
 
