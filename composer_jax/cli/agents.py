@@ -40,13 +40,14 @@ def _generation_settings(args) -> dict:
             "timeout_s": args.timeout, "backend": args.backend, "held_out": args.held_out}
 
 
-def _generate(args, name: str, make_config, generate, summary) -> int:
-    """Run a task family's generator (`make_config()` builds its config) with progress on stderr."""
+def _generate(args, name: str, generate, summary) -> int:
+    """Run a task generator, `generate(log)` (its config built inside: a bad setting is a one-line error),
+    with progress on stderr."""
     from composer_jax.sandbox import SandboxError, SandboxUnavailable
     from composer_jax.tasks import FeatureDeletionError
 
     try:
-        report = generate(args.repo_dir, args.out_dir, make_config(), log=lambda line: print(line, file=sys.stderr))
+        report = generate(lambda line: print(line, file=sys.stderr))
     except (FeatureDeletionError, SandboxError, SandboxUnavailable) as e:
         return command_error(f"tasks {name}", e)
     print(summary(report))
@@ -57,8 +58,10 @@ def _generate(args, name: str, make_config, generate, summary) -> int:
 def _run_feature_deletion(args) -> int:
     from composer_jax.tasks.feature_deletion import FeatureDeletionConfig, generate_tasks, summary
 
-    return _generate(args, "feature-deletion", lambda: FeatureDeletionConfig(
-        **_generation_settings(args), min_lines=args.min_lines, level=args.level), generate_tasks, summary)
+    return _generate(args, "feature-deletion", lambda log: generate_tasks(
+        args.repo_dir, args.out_dir,
+        FeatureDeletionConfig(**_generation_settings(args), min_lines=args.min_lines, level=args.level), log=log),
+        summary)
 
 
 def _run_bug_injection(args) -> int:
@@ -66,8 +69,8 @@ def _run_bug_injection(args) -> int:
     from composer_jax.tasks.format import MUTATIONS
 
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip()) if args.kinds else MUTATIONS
-    return _generate(args, "bug-injection", lambda: BugInjectionConfig(**_generation_settings(args), kinds=kinds),
-                     generate_bug_tasks, summary)
+    return _generate(args, "bug-injection", lambda log: generate_bug_tasks(
+        args.repo_dir, args.out_dir, BugInjectionConfig(**_generation_settings(args), kinds=kinds), log=log), summary)
 
 
 def _run_tasks_list(args) -> int:
@@ -103,13 +106,19 @@ def _run_tasks_demos(args) -> int:
     return 0
 
 
+def _sandbox_arguments(p, what: str) -> None:
+    """--workers and --backend of a command that runs sandboxes (`what`: what runs `--workers` at once)."""
+    p.add_argument("--workers", type=positive_int, default=default_workers(),
+                   help=f"{what} at once (default: one per core, at most {MOST_WORKERS})")
+    p.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
+                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+
+
 def _generation_arguments(p) -> None:
     """The arguments every task generator takes."""
     p.add_argument("repo_dir", metavar="REPO_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
     p.add_argument("--max-tasks", type=positive_int, default=20, help="stop after keeping this many (default 20)")
-    p.add_argument("--workers", type=positive_int, default=default_workers(),
-                   help=f"candidates checked at once (default: one per core, at most {MOST_WORKERS})")
     p.add_argument("--seed", type=int, default=0, help="order in which candidates are tried (default 0)")
     p.add_argument("--test-command", default=None,
                    help="pytest command run from the repository root (default: python -m pytest -q without plugin "
@@ -118,8 +127,7 @@ def _generation_arguments(p) -> None:
     p.add_argument("--held-out", type=non_negative_int, default=0, metavar="N",
                    help="move the last N tasks (by id) to OUT_DIR/held-out/ for evaluation: training on OUT_DIR "
                         "(demos, RL) never sees them (default 0)")
-    p.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
-                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    _sandbox_arguments(p, "candidates checked")
 
 
 def _add_tasks(sub) -> None:
@@ -166,7 +174,32 @@ def _add_tasks(sub) -> None:
                    "Print id, target tests, deleted lines and pass rate of every task "
                    "directory under OUT_DIR.")
     t.add_argument("out_dir", metavar="OUT_DIR")
+    _add_tasks_gym(tasks_sub)
     _add_tasks_demos(tasks_sub)
+
+
+def _run_tasks_gym(args) -> int:
+    from composer_jax.tasks.gym import GymConfig, make_gym, summary
+
+    return _generate(args, "gym", lambda log: make_gym(args.out_dir, GymConfig(
+        tasks=args.tasks, held_out=args.held_out, seed=args.seed, workers=args.workers, backend=args.backend),
+        log=log), summary)
+
+
+def _add_tasks_gym(tasks_sub) -> None:
+    g = subcommand(tasks_sub, "gym", _run_tasks_gym, "make a coding gym: many small checked tasks",
+                   "Generate small Python repositories (a module of 3-5 functions from the gym's "
+                   "templates, with pytest tests) and make tasks from each with feature deletion "
+                   "(body level) and bug injection, until OUT_DIR holds --tasks training tasks "
+                   "and OUT_DIR/held-out --held-out tasks. Held-out tasks come from templates no "
+                   "training repository contains. Every task is checked as the generators check "
+                   "theirs; OUT_DIR/report.json lists the repositories and templates.")
+    g.add_argument("out_dir", metavar="OUT_DIR", help="a new or empty directory")
+    g.add_argument("--tasks", type=positive_int, default=1000, help="training tasks, at least (default 1000)")
+    g.add_argument("--held-out", type=non_negative_int, default=64, metavar="N",
+                   help="held-out tasks in OUT_DIR/held-out, at least (default 64)")
+    g.add_argument("--seed", type=int, default=0, help="the repositories drawn (default 0)")
+    _sandbox_arguments(g, "repositories made")
 
 
 def _add_tasks_demos(tasks_sub) -> None:
@@ -194,10 +227,7 @@ def _add_tasks_demos(tasks_sub) -> None:
     d.add_argument("--hinted-share", type=float, default=0.25, metavar="S",
                    help="share of the conversations that are hinted (default 0.25)")
     d.add_argument("--seed", type=int, default=0, help="which conversations are hinted, and where (default 0)")
-    d.add_argument("--workers", type=positive_int, default=default_workers(),
-                   help=f"tasks played at once (default: one per core, at most {MOST_WORKERS})")
-    d.add_argument("--backend", choices=("bwrap", "none"), default="bwrap",
-                   help="sandbox backend; 'none' runs the tests UNSANDBOXED on this machine (default bwrap)")
+    _sandbox_arguments(d, "tasks played")
 
 
 # eval / eval compare

@@ -162,9 +162,11 @@ def _check(candidate: BugCandidate, ctx: Context, tests_of: dict) -> Outcome:
 
 
 def generate_bug_tasks(repo_dir: str | Path, out_dir: str | Path, config: BugInjectionConfig = BugInjectionConfig(),
-                       *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None) -> dict:
+                       *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None,
+                       prepared=None) -> dict:
     """Write bug-injection tasks of the repository REPO_DIR into OUT_DIR (see the module docstring);
-    returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
+    returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line.
+    `prepared`: generation.prepare's clean copy and baseline of REPO_DIR, when another family shares them."""
 
     def plan(texts: dict[str, str], baseline: Baseline) -> Plan:
         candidates, skipped, sites, tests_of = select_mutations(
@@ -192,7 +194,7 @@ def generate_bug_tasks(repo_dir: str | Path, out_dir: str | Path, config: BugInj
 
         return Plan(candidates, lambda c, ctx: _check(c, ctx, tests_of), kept_line, report)
 
-    return generate(repo_dir, out_dir, config, sandbox, log, plan)
+    return generate(repo_dir, out_dir, config, sandbox, log, plan, prepared)
 
 
 def summary(report: dict) -> str:

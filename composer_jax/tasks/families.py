@@ -56,6 +56,23 @@ def pool_id(family: str, repo: str | Path, level: str, task_id: str) -> str:
     return "-".join(p for p in (family, name, level, task_id) if p)
 
 
+def adopt_tasks(tasks: list[dict], made_dir: Path, dest: Path, family: str, repo: str | Path, level: str,
+                skip: set[str]) -> list[str]:
+    """Move a generator's `tasks` (report.json's entries) from MADE_DIR to DEST under their pool ids
+    (task.json's id rewritten to it), leaving out those whose pool id is in `skip`; the ids moved, in order."""
+    moved = []
+    for task in tasks:
+        new_id = pool_id(family, repo, level, task["id"])
+        if new_id in skip:
+            continue
+        meta_path = made_dir / task["id"] / "task.json"
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta_path.write_text(json.dumps({**meta, "id": new_id}, indent=2) + "\n", encoding="utf-8")
+        shutil.move(made_dir / task["id"], dest / new_id)
+        moved.append(new_id)
+    return moved
+
+
 def run_job(job_dir: Path) -> dict:
     """The job in JOB_DIR/job.json: {family, repo, level, seed, max_tasks, skip_ids}; returns (and writes)
     the result: {tasks: [pool ids, in the generator's order], duplicates, kept, tried, seconds, error}."""
@@ -68,18 +85,10 @@ def run_job(job_dir: Path) -> dict:
     except Exception as e:  # noqa: BLE001  (the generator's one-line input errors, and anything else: reported)
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
     else:
-        skip = set(job["skip_ids"])
         (job_dir / "tasks").mkdir()
-        for task in report["tasks"]:
-            new_id = pool_id(job["family"], job["repo"], job["level"], task["id"])
-            if new_id in skip:
-                result["duplicates"] += 1
-                continue
-            meta_path = job_dir / "out" / task["id"] / "task.json"
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-            meta_path.write_text(json.dumps({**meta, "id": new_id}, indent=2) + "\n", encoding="utf-8")
-            shutil.move(job_dir / "out" / task["id"], job_dir / "tasks" / new_id)
-            result["tasks"].append(new_id)
+        result["tasks"] = adopt_tasks(report["tasks"], job_dir / "out", job_dir / "tasks", job["family"], job["repo"],
+                                      job["level"], set(job["skip_ids"]))
+        result["duplicates"] = len(report["tasks"]) - len(result["tasks"])
         result.update(kept=report["kept"], tried=report["tried"], candidates=report.get("candidates", 0))
         shutil.rmtree(job_dir / "out")
     result["seconds"] = round(time.monotonic() - start, 2)

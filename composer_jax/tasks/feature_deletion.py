@@ -91,9 +91,11 @@ def _check(candidate: Candidate, ctx: Context) -> Outcome:
 
 
 def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDeletionConfig = FeatureDeletionConfig(),
-                   *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None) -> dict:
+                   *, sandbox: Sandbox | None = None, log: Callable[[str], None] = lambda line: None,
+                   prepared=None) -> dict:
     """Write feature-deletion tasks of the repository REPO_DIR into OUT_DIR (see the module docstring);
-    returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
+    returns the report (also OUT_DIR/report.json). FeatureDeletionError: unusable input, one line.
+    `prepared`: generation.prepare's clean copy and baseline of REPO_DIR, when another family shares them."""
 
     def plan(texts: dict[str, str], baseline: Baseline) -> Plan:
         candidates, skipped = select_candidates(texts, baseline, min_lines=config.min_lines,
@@ -120,7 +122,7 @@ def generate_tasks(repo_dir: str | Path, out_dir: str | Path, config: FeatureDel
         return Plan(candidates, _check, kept_line, report,
                     "" if config.level == "body" else CONTINUE_ON_COLLECTION_ERRORS)
 
-    return generate(repo_dir, out_dir, config, sandbox, log, plan)
+    return generate(repo_dir, out_dir, config, sandbox, log, plan, prepared)
 
 
 def summary(report: dict) -> str:

@@ -238,16 +238,18 @@ class Plan:
 
 
 def generate(repo_dir: str | Path, out_dir: str | Path, config: GenerationConfig, sandbox: Sandbox | None,
-             log: Callable[[str], None], make_plan: Callable[[dict[str, str], Baseline], Plan]) -> dict:
-    """Write a family's tasks of REPO_DIR into OUT_DIR: the clean copy and the baseline, `make_plan(texts,
-    baseline)` (texts: scrub.repo_texts of the copy), the candidates tried, the hold-out and the report
-    (returned, and OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
+             log: Callable[[str], None], make_plan: Callable[[dict[str, str], Baseline], Plan],
+             prepared: tuple[Path, str, Baseline] | None = None) -> dict:
+    """Write a family's tasks of REPO_DIR into OUT_DIR: the clean copy and the baseline (or `prepared`,
+    `prepare`'s result for REPO_DIR, when several families share them), `make_plan(texts, baseline)`
+    (texts: scrub.repo_texts of the copy), the candidates tried, the hold-out and the report (returned,
+    and OUT_DIR/report.json). FeatureDeletionError: unusable input, one line."""
     start = time.monotonic()
     repo, out = Path(repo_dir), Path(out_dir)
     check_dirs(repo, out)
     sandbox = sandbox or Sandbox(config.backend)
     with tempfile.TemporaryDirectory(prefix="composer_jax-generate-") as tmp:
-        base, command, baseline = prepare(repo, Path(tmp), sandbox, config, log)
+        base, command, baseline = prepared or prepare(repo, Path(tmp), sandbox, config, log)
         texts = repo_texts(base)
         plan = make_plan(texts, baseline)
         out.mkdir(parents=True, exist_ok=True)
