@@ -1,13 +1,14 @@
 """The coding gym's function templates: small, self-contained Python functions with their parameters.
 
-A template is the source of one function with `{fn}` (its name, one of `names`) and parameters in
-braces, drawn per repository by `params(rng)`; `args` names the kinds of its arguments, from which the
-gym draws the test inputs (ARG_KINDS). The expected outputs are computed by running the rendered source
-itself, so a template only has to be valid Python that returns plain values (ints, strings, bools,
-lists, tuples, dicts): no floats whose digits could differ, no sets whose order could.
+A template is the source of one function with `{fn}` (its name, one of `names`) and parameters in braces,
+drawn per repository by `params(rng)`; `args` names the kinds of its arguments, from which the gym draws
+the test inputs (ARG_KINDS). The expected outputs are computed by running the rendered source itself, so
+a template only has to be valid Python that returns plain values (ints, strings, bools, lists, tuples,
+dicts): no floats whose digits could differ, no sets whose order could.
 
-`held_out` templates never appear in a training repository: the held-out split measures code the model
-has never seen, not only other names or constants.
+Loops are bounded `for` loops, never `while`: a mutated loop condition (bug injection) then cannot hang
+the tests until their time limit. `held_out` templates never appear in a training repository: the
+held-out split measures code the model has never seen, not only other names or constants.
 """
 
 from __future__ import annotations
@@ -250,9 +251,11 @@ def {fn}(n):
                "b": r.choice(["Buzz", "Bar"])}),
     _t("collatz_steps", "collatz_steps steps_to_one", "nat", '''
 def {fn}(n):
-    """How many Collatz steps (n / 2 if even, 3n + 1 if odd) take `n` to 1 (0 for n <= 1)."""
+    """How many Collatz steps (n / 2 if even, 3n + 1 if odd) take `n` to 1 (0 for n <= 1), at most 200."""
     steps = 0
-    while n > 1:
+    for _ in range(200):
+        if n <= 1:
+            break
         n = n // 2 if n % 2 == 0 else 3 * n + 1
         steps += 1
     return steps
@@ -341,8 +344,10 @@ def {fn}(word):
 '''),
     _t("gcd", "gcd greatest_common_divisor", "nat nat", '''
 def {fn}(a, b):
-    """The greatest common divisor of `a` and `b` (a, b >= 0; gcd(0, 0) is 0)."""
-    while b:
+    """The greatest common divisor of `a` and `b` (a, b >= 0, at most 12; gcd(0, 0) is 0)."""
+    for _ in range(20):
+        if b == 0:
+            break
         a, b = b, a % b
     return a
 '''),
@@ -426,7 +431,9 @@ def {fn}(n):
     """How many decimal digits `n` has, ignoring its sign, plus {k}."""
     n = abs(n)
     digits = 1
-    while n >= 10:
+    for _ in range(20):
+        if n < 10:
+            break
         n //= 10
         digits += 1
     return digits + {k}
