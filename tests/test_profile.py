@@ -5,6 +5,7 @@ profiled training step whose component rows sum to its op time."""
 import gzip
 import json
 import math
+import os
 
 import pytest
 
@@ -103,4 +104,7 @@ def test_a_profiled_step_sums_to_its_op_time(tmp_path):
     assert math.isclose(sum(shares.values()), 1.0, rel_tol=1e-9)
     assert shares["attention"] > 0 and shares[profile.EXPERTS] > 0 and shares["optimizer"] > 0
     assert shares.get(profile.NO_SOURCE, 0) < 0.5
-    assert 0.1 * result["wall_ms_per_step"] < result["total_ms_per_step"] <= 1.05 * result["wall_ms_per_step"]
+    # XLA:CPU runs independent ops of a step at once, one per thread of its pool (one per core): their summed
+    # time may exceed the step's wall time (147 ms against 137 once, on 2 cores), not the cores' time.
+    cores = len(os.sched_getaffinity(0))
+    assert 0.1 * result["wall_ms_per_step"] < result["total_ms_per_step"] <= 1.05 * cores * result["wall_ms_per_step"]
