@@ -268,3 +268,20 @@ def test_python_function_conversations():
     assert "def add(a, b=1)" in messages[1]["content"] and "Add two numbers." in messages[1]["content"]
     assert messages[2]["content"].startswith("def add(a, b=1):") and messages[2]["content"].endswith("return a + b")
     assert code_conversations.python_function_conversations("x = (", "broken.py") is None
+
+
+def test_token_bytes_sum_to_the_texts_utf8_length(tmp_path):
+    """`token_bytes()` of each tokenizer kind (what bits per byte divide by): over the ids of a text, they sum
+    to the text's UTF-8 length (the independent reference); special tokens stand for no bytes."""
+    from composer_jax.config import CONFIG_DIR
+    from tests.test_chat import _kimi_tiktoken
+
+    text = 'def f(x):\n    """Héllo, wörld 🎉"""\n    return x  # done\r\n\t'
+    hf, kimi = load_tokenizer(str(CONFIG_DIR / "tokenizers" / "tiny-bpe")), load_tokenizer(str(_kimi_tiktoken(tmp_path)))
+    for tok in (ByteTokenizer(), hf, kimi):
+        sizes = tok.token_bytes()
+        assert sizes.shape == (tok.vocab_size,) and sizes.dtype == np.int32, tok.name
+        ids = tok.encode(text)
+        assert int(sizes[ids].sum()) == len(text.encode("utf-8")), tok.name
+    assert hf.token_bytes()[hf.eos_id] == 0 and kimi.token_bytes()[kimi.eos_id] == 0
+    assert (kimi.token_bytes()[260:] == 0).all() and (kimi.token_bytes()[:256] == 1).all()

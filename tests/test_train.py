@@ -62,6 +62,8 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(run):
     assert [r["step"] for r in measured] == [2, 3] and all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in measured)
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 3] and all(np.isfinite(r["eval_loss"]) for r in evals)
+    # Byte tokens, no special ones: every target is one byte, so bits per byte is the loss in bits.
+    assert all(r["eval_bpb"] == pytest.approx(r["eval_loss"] / np.log(2), rel=1e-6) for r in evals)
     assert summary["first_eval_loss"] == evals[0]["eval_loss"] and summary["skipped_steps"] == 0
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
@@ -85,7 +87,7 @@ def test_plot_command_writes_pngs(run, capsys):
     trainer, _, _ = run
     assert cli.main(["plot", str(trainer.run_dir)]) == 0
     paths = capsys.readouterr().out.split()
-    assert any(p.endswith("loss.png") for p in paths)
+    assert any(p.endswith("loss.png") for p in paths) and any(p.endswith("bits_per_byte.png") for p in paths)
     for p in paths:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

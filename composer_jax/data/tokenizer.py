@@ -1,7 +1,8 @@
 """Tokenizers: byte-level by default, a Hugging Face `tokenizer.json`, or a tiktoken BPE file.
 
 All three expose the same small interface (`Tokenizer`): `encode(text) -> int32[n]`, `decode(ids)`,
-`vocab_size` (one past the largest id it can produce) and `eos_id` (or None). `load_tokenizer(spec)`
+`vocab_size` (one past the largest id it can produce), `eos_id` (or None) and `token_bytes()` (the bytes
+of text each id stands for: what bits per byte divide by). `load_tokenizer(spec)`
 picks one from a config string: `byte`, a path ending in `.json` (HF `tokenizers`), or any other path
 (a tiktoken BPE file: one `base64(token) rank` pair per line). A file that does not load is a
 `TokenizerError` naming the file and what is wrong with it.
@@ -32,6 +33,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids) -> str: ...
 
+    def token_bytes(self) -> np.ndarray: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids 0..255: lossless for any text, no vocabulary file, no EOS id."""
@@ -46,6 +49,10 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        """int32[vocab_size]: the bytes of text each id stands for (one)."""
+        return np.ones(self.vocab_size, np.int32)
 
 
 def _byte_chars() -> list[str]:
@@ -89,6 +96,18 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_bytes(self) -> np.ndarray:
+        """int32[vocab_size]: the UTF-8 bytes of text each id stands for; 0 for added (special) tokens. A
+        byte-level BPE piece has one character per byte (GPT-2's map); another piece counts what it decodes to."""
+        byte_chars = set(_byte_chars())
+        special = set(self._tok.get_added_tokens_decoder())
+        out = np.zeros(self.vocab_size, np.int32)
+        for i in range(self.vocab_size):
+            piece = None if i in special else self._tok.id_to_token(i)
+            if piece is not None:
+                out[i] = len(piece) if set(piece) <= byte_chars else len(self._tok.decode([i]).encode("utf-8"))
+        return out
 
 
 # tiktoken needs a pre-tokenization regex next to the ranks; this is cl100k_base's, which also suits code.
@@ -163,7 +182,7 @@ class TiktokenTokenizer:
                                           mergeable_ranks=ranks, special_tokens=specials)
         except Exception as e:
             raise TokenizerError(f"tokenizer file {path} does not load as a tiktoken BPE file: {e}") from None
-        self._specials = set(specials)
+        self._specials, self._ranks = set(specials), ranks
         self.name, self.vocab_size = str(path), max(specials.values()) + 1
         self.eos_id = specials.get(eos_name)
 
@@ -172,6 +191,21 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])
+
+    def token_bytes(self) -> np.ndarray:
+        """int32[vocab_size]: the bytes of each id's token; 0 for special tokens (and unused ids)."""
+        out = np.zeros(self.vocab_size, np.int32)
+        for token, rank in self._ranks.items():
+            out[rank] = len(token)
+        return out
+
+
+def padded_token_bytes(tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
+    """int32[vocab_size]: `tokenizer.token_bytes()` over a model's vocabulary (its ids past the tokenizer's: 0)."""
+    out = np.zeros(vocab_size, np.int32)
+    own = tokenizer.token_bytes()[:vocab_size]
+    out[:len(own)] = own
+    return out
 
 
 def _read_tokenizer_config(path: Path) -> dict:

@@ -31,6 +31,7 @@ import yaml
 
 from composer_jax.config import ConfigError
 from composer_jax.data.sources import resolve_root
+from composer_jax.data.tokenizer import padded_token_bytes
 from composer_jax.model_dirs import run_chat_setup, source_for, write_chat
 from composer_jax.source_weights import load_state
 from composer_jax.model.accounting import model_info
@@ -103,7 +104,8 @@ class Trainer:
             self.layout = layout = StateLayout(cfg, self.dual)
             self.step_fn = jax.jit(step_lib.make_train_step(cfg, layout.graphdef, layout.rest, layout.opt),
                                    donate_argnums=0)
-            self.eval_fn = jax.jit(step_lib.make_eval_step(cfg, layout.graphdef, layout.rest))
+            self.eval_fn = jax.jit(step_lib.make_eval_step(cfg, layout.graphdef, layout.rest,
+                                                           padded_token_bytes(tokenizer, cfg.model.vocab_size)))
             self.state = self._initial_state()
         except BaseException:
             self.checkpoints.close()
@@ -130,10 +132,12 @@ class Trainer:
         return self.layout.from_params(params, biases)
 
     def evaluate(self) -> dict:
-        """Held-out losses: eval_loss (main next-token CE) and eval_mtp{k}_ce, over the eval batches."""
+        """Held-out losses: eval_loss (main next-token CE, nats a token), eval_bpb (the same CE in bits a byte
+        of the targets' text: comparable across tokenizers) and eval_mtp{k}_ce, over the eval batches."""
         sums = [self.eval_fn(self.state, b) for b in self.batches.eval_batches()]
         total = jax.device_get(jax.tree.map(lambda *x: sum(x), *sums))
-        out = {"eval_loss": float(total["ce"] / max(total["targets"], 1.0))}
+        out = {"eval_loss": float(total["ce"] / max(total["targets"], 1.0)),
+               "eval_bpb": float(total["ce"] / (math.log(2) * max(total["bytes"], 1.0)))}
         for k in range(1, self.cfg.model.mtp.num_layers + 1):
             out[f"eval_mtp{k}_ce"] = float(total[f"mtp{k}_ce"] / max(total[f"mtp{k}_targets"], 1.0))
         return out
@@ -196,7 +200,7 @@ class Trainer:
             ev = self.evaluate()
             writer.write({"step": at, **ev})
             summary["first_eval_loss" if at == 0 else "last_eval_loss"] = ev["eval_loss"]
-            progress.write(f"step {at}: held-out loss {ev['eval_loss']:.4f}")
+            progress.write(f"step {at}: held-out loss {ev['eval_loss']:.4f} ({ev['eval_bpb']:.3f} bits per byte)")
 
         try:
             with life.running(start, progress.note), self.dual:

@@ -178,6 +178,14 @@ def count_targets(tokens, segment_ids, loss_mask, depths: int) -> tuple[jax.Arra
     return total[0], total[1:]
 
 
+def count_target_bytes(tokens, segment_ids, loss_mask, token_bytes) -> jax.Array:
+    """f32[]: the bytes of text the main targets stand for (what bits per byte divide by). token_bytes:
+    int[vocab] (the tokenizer's `token_bytes`, 0 for special tokens); arrays [batch, seq] or [n, batch, seq]."""
+    rows = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
+    labels, weights = target_weights(rows(tokens), rows(segment_ids), rows(loss_mask), 1)
+    return (jnp.take(token_bytes, labels).astype(jnp.float32) * weights).sum()
+
+
 def mtp_loss_sums(hidden, mtp_hidden, head, tokens, segment_ids, loss_mask, *, chunk: int, with_ce: bool = True,
                   distill: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-depth MTP sums (CE_k and KL_k of the module docstring, before normalisation, and the

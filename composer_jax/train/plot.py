@@ -17,6 +17,8 @@ LEFT, RIGHT = "left", "right"
 FIGURES = {
     "loss": ("Loss", {LEFT: "nats / token"},
              [("loss", "train objective", LEFT), ("ce", "train CE", LEFT), ("eval_loss", "held-out CE", LEFT)]),
+    "bits_per_byte": ("Held-out loss per byte", {LEFT: "bits / byte of text"},
+                      [("eval_bpb", "held-out CE (comparable across tokenizers)", LEFT)]),
     "mtp": ("MTP", {LEFT: "cross-entropy (nats / token)", RIGHT: "KL to main head (nats / token)"},
             [("mtp1_ce", "MTP depth 1 CE", LEFT), ("eval_mtp1_ce", "held-out MTP depth 1 CE", LEFT),
              ("mtp1_kl", "MTP depth 1 KL to main", RIGHT)]),

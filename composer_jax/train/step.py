@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.data.pipeline import FEATURES
-from composer_jax.model.layers import weight
 from composer_jax.model.router import updated_bias
 from composer_jax.parallel import DualMesh, leafwise
 from composer_jax.parallel.mesh import BATCH_AXES
@@ -120,8 +119,9 @@ def make_train_step(cfg: RunConfig, graphdef, rest,
     return step
 
 
-def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batch], dict]:
-    """(state, batch [batch, seq]) -> sums {ce, targets, mtp{k}_ce, mtp{k}_targets} (held-out loss parts)."""
+def make_eval_step(cfg: RunConfig, graphdef, rest, token_bytes=None) -> Callable[[TrainState, Batch], dict]:
+    """(state, batch [batch, seq]) -> sums {ce, targets, mtp{k}_ce, mtp{k}_targets} (held-out loss parts),
+    and `bytes` (the text the targets stand for) when `token_bytes` (int[vocab], the tokenizer's) is given."""
     depths = cfg.model.mtp.num_layers
 
     def eval_step(state: TrainState, batch: Batch) -> dict:
@@ -129,6 +129,9 @@ def make_eval_step(cfg: RunConfig, graphdef, rest) -> Callable[[TrainState, Batc
         sums, _, _ = _forward_sums(cfg, graphdef, rest, state.params, state.biases, batch, distill=False)
         n_main, n_mtp = losses.count_targets(batch["tokens"], batch["segment_ids"], batch["loss_mask"], depths)
         out = {"ce": sums.ce, "targets": n_main}
+        if token_bytes is not None:
+            out["bytes"] = losses.count_target_bytes(batch["tokens"], batch["segment_ids"], batch["loss_mask"],
+                                                     jnp.asarray(token_bytes, jnp.int32))
         for k in range(depths):
             out[f"mtp{k + 1}_ce"], out[f"mtp{k + 1}_targets"] = sums.mtp_ce[k], n_mtp[k]
         return out
