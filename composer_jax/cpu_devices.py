@@ -71,8 +71,10 @@ def use_cpu_devices(count: int, environ: MutableMapping[str, str] = os.environ) 
     devices when its engine takes a ninth). The environment is left as it is then, for child processes.
     Once JAX's backend has started its devices are fixed and nothing changes. PJRT_NPROC or NPROC already
     set are left alone; nothing changes the pool when JAX_PLATFORMS leaves out the CPU or the machine
-    already has two cores per device.
+    already has two cores per device. An installed CUDA plugin without a driver is kept quiet first
+    (`quiet_cuda_plugin_without_driver`): every entry point that starts JAX comes through here.
     """
+    quiet_cuda_plugin_without_driver(environ)
     fixed = fixed_device_count(environ)
     if fixed is None:
         environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {DEVICE_COUNT_FLAG}={count}".strip()

@@ -168,8 +168,8 @@ def test_an_entry_point_restarts_in_place_with_huge_pages():
 
 
 def test_the_cuda_plugin_without_a_driver_starts_quietly_on_cpu(tmp_path):
-    """With the cuda12 extra's plugin installed and no NVIDIA driver, a CLI command prints nothing from the
-    plugin and runs on CPU; with a driver file present nothing is changed (checked in-process on a fake path)."""
+    """With the cuda12 extra's plugin installed and no NVIDIA driver, a CLI command and a tool's start
+    (`use_cpu_devices`) print nothing from the plugin and run on CPU; with a driver file present nothing is changed (checked in-process on a fake path)."""
     driver = tmp_path / "version"
     driver.write_text("NVRM version: 550\n")
     env = {}
@@ -183,3 +183,8 @@ def test_the_cuda_plugin_without_a_driver_starts_quietly_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "composer_jax.cli", "config", "keys", "run"], env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     assert proc.stderr == "" and proc.stdout.startswith("key ")
+    # A tool's start (tools/*.py): use_cpu_devices, then JAX.
+    script = "from composer_jax.cpu_devices import use_cpu_devices; use_cpu_devices(2); import jax; print(jax.devices())"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                          check=True)
+    assert proc.stderr == "" and proc.stdout.count("CpuDevice") == 2, (proc.stdout, proc.stderr[-2000:])
