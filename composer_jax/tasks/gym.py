@@ -130,28 +130,24 @@ def _one_repo(work: Path, seed: int, held_out: bool, index: int, sandbox: Sandbo
 def _fill_split(out: Path, work: Path, config: GymConfig, held_out: bool, target: int, sandbox: Sandbox,
                 log: Callable[[str], None]) -> dict:
     """Repositories of one split, `workers` at a time in index order, until `target` tasks are kept."""
-    kept: list[str] = []
+    kept, index = 0, 0
     families, repos, rejected = Counter(), [], Counter()
-    index = 0
-    while len(kept) < target and index < MAX_REPOS:
+    while kept < target and index < MAX_REPOS:
         batch = range(index, min(index + config.workers, MAX_REPOS))
         index = batch.stop
         for made in run_parallel(lambda i: _one_repo(work, config.seed, held_out, i, sandbox), batch, config.workers):
-            if len(kept) >= target:
-                shutil.rmtree(made["root"])
-                continue
-            new = []
-            for task_dir, report, family, level in made["outs"]:
-                adopted = adopt_tasks(report["tasks"], task_dir, out, family, made["name"], level, set())
-                families[family] += len(adopted)
-                rejected.update(report["rejected"])
-                new += adopted
-            kept += new
-            shutil.rmtree(made["root"])
-            repos.append({"name": made["name"], "templates": made["templates"], "tasks": len(new)})
-            log(f"{'held-out' if held_out else 'train'} {made['name']}: {len(new)} tasks "
-                f"({len(kept)}/{target})")
-    return {"repos": repos, "tasks": len(kept), "families": dict(families), "rejected": dict(rejected)}
+            if kept < target:
+                new = 0
+                for task_dir, report, family, level in made["outs"]:
+                    adopted = len(adopt_tasks(report["tasks"], task_dir, out, family, made["name"], level, set()))
+                    families[family] += adopted
+                    rejected.update(report["rejected"])
+                    new += adopted
+                kept += new
+                repos.append({"name": made["name"], "templates": made["templates"], "tasks": new})
+                log(f"{'held-out' if held_out else 'train'} {made['name']}: {new} tasks ({kept}/{target})")
+            shutil.rmtree(made["root"])    # also a repository past the target
+    return {"repos": repos, "tasks": kept, "families": dict(families), "rejected": dict(rejected)}
 
 
 def make_gym(out_dir: str | Path, config: GymConfig = GymConfig(), *, sandbox: Sandbox | None = None,
