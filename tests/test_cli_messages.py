@@ -30,10 +30,10 @@ def _one_line(err: str) -> str:
      "(command-line override train.steps=abc)"),
     (["pretrain", "no-such-config"],
      "composer-jax pretrain: error: config 'no-such-config' is neither a file nor a bundled run config "
-     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny, sft-toy-tiny)"),
+     "(bundled: long-context-tiny, pretrain-small, pretrain-tiny, rl-coding-small, rl-coding-tiny, rl-tiny, sft-small, sft-tiny, sft-toy-tiny)"),
     (["pretrain", "train.steps"],
      "composer-jax pretrain: error: config 'train.steps' is neither a file nor a bundled run config "
-     "(bundled: long-context-tiny, pretrain-tiny, rl-coding-tiny, rl-tiny, sft-tiny, sft-toy-tiny); to override a key write train.steps=VALUE"),
+     "(bundled: long-context-tiny, pretrain-small, pretrain-tiny, rl-coding-small, rl-coding-tiny, rl-tiny, sft-small, sft-tiny, sft-toy-tiny); to override a key write train.steps=VALUE"),
     (["convert", "/nonexistent", "/tmp/never-written"],
      "composer-jax convert: error: /nonexistent does not exist (expected a Hugging Face model directory)"),
     (["export", "/nonexistent", "/tmp/never-written"], "composer-jax export: error: /nonexistent does not exist"),

@@ -15,6 +15,8 @@ def test_bundled_configs_are_faithful():
     assert (ds.moe.n_group, ds.moe.topk_group, ds.num_dense_layers, ds.mtp.num_layers) == (8, 4, 3, 1)
     tiny = load_config("tiny")
     assert tiny.moe.n_group == 4 and tiny.moe.topk_group == 2 and tiny.mtp.num_layers == 1
+    small = load_config("small")        # the coding study's: tiny's structure, the BPE tokenizer's vocabulary
+    assert (small.vocab_size, small.moe.n_group, small.num_dense_layers, small.mtp.num_layers) == (4096, 4, 1, 1)
 
 
 def test_overrides_are_typed():
@@ -82,5 +84,5 @@ def test_malformed_and_incomplete_files(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         load_config("tiny", ["moe.dispatch"])
     with pytest.raises(FileNotFoundError, match=r"is neither a file nor a bundled model config \(bundled: "
-                                                r"deepseek-v3, kimi-k2.5, proxy-moe, tiny\)$"):
+                                                r"deepseek-v3, kimi-k2.5, proxy-moe, small, tiny\)$"):
         load_config("tiny2")

@@ -1,0 +1,89 @@
+"""The coding study (tools/experiment_coding.py, tools/study_report.py, docs/coding-study.md): its
+pretraining corpus, its report's numbers against hand counts, and the whole study at its smoke size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from composer_jax.data.sources import list_files
+from composer_jax.eval.store import AttemptRecord, transcript_path
+from composer_jax.train.config import load_run_config
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import study_report  # noqa: E402
+
+
+def test_the_small_pretraining_corpus_takes_installed_packages_but_not_the_gym_templates(tmp_path):
+    """pretrain-small reads the stdlib directory with site-packages in it; the one component it leaves
+    out is the project's package, where the gym's templates live (an installed, non-editable copy)."""
+    cfg = load_run_config("pretrain-small")
+    assert cfg.model.vocab_size == 4096 and cfg.data.path == "stdlib"
+    for rel in ("json/decoder.py", "site-packages/numpy/core/fromnumeric.py",
+                "site-packages/composer_jax/tasks/gym_templates.py", "site-packages/composer_jax/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    _, files = list_files(str(tmp_path), cfg.data.glob, cfg.data.exclude_parts)
+    assert files == ["json/decoder.py", "site-packages/numpy/core/fromnumeric.py"]
+
+
+def _task(root: Path, name: str, family: str, difficulty: dict) -> None:
+    (root / name).mkdir(parents=True)
+    (root / name / "task.json").write_text(json.dumps({"id": name, "family": family, "difficulty": difficulty}))
+
+
+def test_pass_at_1_by_level_and_flag_slopes_match_hand_counts(tmp_path):
+    tasks, run = tmp_path / "tasks", tmp_path / "eval"
+    _task(tasks, "b1", "bug_injection", {"mutation": "comparison"})
+    _task(tasks, "b2", "bug_injection", {"mutation": "comparison"})
+    _task(tasks, "d1", "feature_deletion", {"deleted_lines": 2})
+    _task(tasks, "d2", "feature_deletion", {"deleted_lines": 7})
+    solved = {"b1": [1, 1, 0, 0], "b2": [0, 0, 0, 1], "d1": [0, 0, 0, 0], "d2": [1, 0, 0, 0]}
+    run.mkdir()
+    with open(run / "attempts.jsonl", "w") as f:
+        for task, outcomes in solved.items():
+            for sample, s in enumerate(outcomes):
+                record = AttemptRecord(task, sample, sample, float(s), bool(s), 3, 50, 3, 0, 0, "ok", 1.0,
+                                       transcript_path(task, sample))
+                f.write(json.dumps(record.to_json()) + "\n")
+    by_level = study_report.pass_at_1_by_level(run, tasks)
+    assert {k: (v["tasks"], v["pass@1"]) for k, v in by_level.items()} == {
+        "bug: comparison": (2, (2 / 4 + 1 / 4) / 2), "body: 1-3 lines": (1, 0.0), "body: 6+ lines": (1, 0.25)}
+    steps, rates = [1, 2, 3, 4], [0.5, 0.4, 0.35, 0.1]
+    assert study_report.slope(steps, rates) == pytest.approx(np.polyfit(steps, rates, 1)[0])
+    assert study_report.slope([1], [0.5]) is None
+
+
+@pytest.mark.slow
+def test_the_study_runs_phase_to_phase_at_its_smoke_size_and_resumes(tmp_path):
+    """Every phase at its smallest size (a gym of 4 tasks, 2 pretraining and SFT steps, one RL step per
+    arm, one sample per held-out task), then the same command again: nothing reruns."""
+    out = tmp_path / "study"
+    cmd = [sys.executable, str(REPO / "tools" / "experiment_coding.py"), str(out), "--scale", "smoke", "--seeds", "1"]
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                                 if "xla_force_host_platform_device_count" not in f)}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    phases = [json.loads(line)["phase"] for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert phases == ["gym", "pretrain", "demos", "sft", "eval-sft", "rl-0-sd", "rl-0-nosd", "eval-rl-0"]
+    study = json.loads((out / "study.json").read_text())
+    held_out = {p.name for p in (out / "gym" / "held-out").iterdir() if (p / "task.json").is_file()}
+    assert study["eval"]["sft"]["tasks"] == study["eval"]["rl-0"]["tasks"] == len(held_out) > 0
+    assert sum(v["tasks"] for v in study["by_level"]["sft"].values()) == len(held_out)
+    assert set(study["paired"]["rl-0"]) >= {"pass@1", "solved_only_by_sft", "solved_only_by_rl"}
+    for arm in ("sd", "nosd"):
+        assert study["curves"][f"rl-0-{arm}"]["step"] == [1]
+    assert "eval_bpb" in study["pretrain"]
+    assert (out / "plots" / "pass_by_level.png").stat().st_size and (out / "study.md").read_text().startswith("#")
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len((out / "phases.jsonl").read_text().splitlines()) == len(phases)
