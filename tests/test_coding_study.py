@@ -74,7 +74,7 @@ def test_the_study_runs_phase_to_phase_at_its_smoke_size_and_resumes(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     phases = [json.loads(line)["phase"] for line in (out / "phases.jsonl").read_text().splitlines()]
-    assert phases == ["gym", "pretrain", "demos", "sft", "eval-sft", "rl-0-sd", "rl-0-nosd", "eval-rl-0"]
+    assert phases == ["gym", "pretrain", "demos", "sft", "eval-sft", "eval-sft-train", "rl-0-sd", "rl-0-nosd", "eval-rl-0"]
     study = json.loads((out / "study.json").read_text())
     held_out = {p.name for p in (out / "gym" / "held-out").iterdir() if (p / "task.json").is_file()}
     assert study["eval"]["sft"]["tasks"] == study["eval"]["rl-0"]["tasks"] == len(held_out) > 0

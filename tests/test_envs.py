@@ -265,6 +265,31 @@ def test_every_flagged_turn_teaches_up_to_the_slots_and_cut_windows_are_counted(
     assert (metrics["sd_windows"], metrics["sd_windows_cut"], metrics["sd_turns_left_out"]) == (2.0, 1.0, 1.0)
 
 
+def test_only_the_selected_flag_kinds_teach_and_every_flag_is_counted(sandbox, example_task):
+    """rl.sd_flags: an unknown tool, a malformed call and a `cat` through run (wrong_tool), with only
+    wrong_tool selected: one teacher window, for the third turn, its hint naming read_file; the flag
+    rates count all three kinds. An unknown kind is a config error naming it."""
+    from composer_jax.config import ConfigError
+    from composer_jax.rl.config import RLConfig
+    from composer_jax.rl.rollout import rollout_metrics
+
+    fmt = PlainFormat()
+    with CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=3)) as env:
+        ep = TokenEpisode(env, BYTES, teach=RLConfig(sd_flags=("wrong_tool",)).sd_flags)
+        ep.start(example_task)
+        for turn in (fmt.render_call("grep", {"pattern": "x"}), fmt.render_call("run", {"command": "ls"})[:-3],
+                     fmt.render_call("run", {"command": "cat mathops.py"})):
+            ep.step(BYTES.encode(turn + fmt.end_of_turn))
+    assert [[f.kind for f in t.flags] for t in ep.turns] == [["unknown_tool"], ["malformed_call"], ["wrong_tool"]]
+    windows, left_out = teacher_windows(ep, 3, 4096)
+    assert [turn for turn, _, _ in windows] == [ep.turns[2]] and left_out == 0 and "read_file" in ep.turns[2].hint
+    metrics = rollout_metrics([types.SimpleNamespace(episode=ep, reward=ep.reward)], 1.0, 1.0, 3, 4096)
+    assert metrics["sd_windows"] == 1.0 and metrics["flagged_turns"] == 3.0
+    assert metrics["flag_unknown_tool"] == metrics["flag_malformed_call"] == metrics["flag_wrong_tool"] == 1 / 3
+    with pytest.raises(ConfigError, match="sd_flags.*unknown flag kind 'wrong_tools'; the kinds are unknown_tool"):
+        RLConfig(sd_flags=("wrong_tools",))
+
+
 def test_a_tool_subset_is_all_the_agent_sees_and_may_call(sandbox, example_task):
     fmt = PlainFormat()
     env = CodingEnv(sandbox, fmt, CodingEnvConfig(max_turns=3, tools=("run", "submit")))

@@ -9,8 +9,9 @@ command again resumes an interrupted study:
     demos      composer-jax tasks demos OUT/gym ...           solving conversations, a share hinted
     sft        composer-jax sft sft-small                     from the pretrained run
     eval-sft   composer-jax eval RUN OUT/gym/held-out --samples K
+    eval-sft-train   the same on as many training tasks (OUT/train-sample): held-out against seen
     rl-S-ARM   composer-jax rl rl-coding-small seed=S         ARM: sd (self-distillation on the selected
-                                                              signals) or nosd (rl.sd_coef=0)
+                                                              flags, rl.sd_flags) or nosd (rl.sd_coef=0)
     eval-rl-S  composer-jax eval of each sd run
     report     OUT/study.json and OUT/study.md: pass@1 and pass@k of SFT and RL with the paired bootstrap
                interval, pass@1 by difficulty level, per-step flag rates and reward of both arms; plots
@@ -43,7 +44,7 @@ class Scale:
     pretrain: tuple[str, ...]    # overrides of pretrain-small
     sft: tuple[str, ...]         # overrides of sft-small
     rl: tuple[str, ...]          # overrides of rl-coding-small
-    sd_signals: str = "effort,wrong_tool"   # the signals whose flagged turns get teacher windows (sd arm)
+    sd_flags: str = "redundant_call,wrong_tool"   # the flag kinds that get teacher windows (sd arm: rl.sd_flags)
 
 
 SCALES = {
@@ -104,30 +105,46 @@ class Study:
             ("sft", ("sft", "sft-small", f"run_dir={runs / 'sft'}", f"train.init_from={runs / 'pretrain'}",
                      f"data.path={self.out / 'demos.jsonl'}", "train.progress=false", *s.sft)),
             ("eval-sft", self.eval_argv(runs / "sft", "sft")),
+            ("eval-sft-train", lambda: self.eval_argv(runs / "sft", "sft-train", self.train_sample())),
         ]
         for seed in range(self.seeds):
             for arm in ("sd", "nosd"):
                 steps.append((f"rl-{seed}-{arm}", self.rl_argv(seed, arm)))
             steps.append((f"eval-rl-{seed}", self.eval_argv(runs / f"rl-{seed}-sd", f"rl-{seed}")))
-        for name, argv in steps:
-            self.phase(name, *argv)
+        for name, argv in steps:     # an argv that needs an earlier phase's output is made when its turn comes
+            self.phase(name, *(argv() if callable(argv) else argv))
             if name == until:
                 return
         self.report()
 
-    def eval_argv(self, model: Path, name: str) -> tuple:
-        return ("eval", model, self.gym / "held-out", "--samples", self.scale.samples, "--out", self.evals / name,
-                "--workers", 2, "--quiet")
+    def train_sample(self) -> Path:
+        """As many training tasks as there are held-out ones (the first, in id order), linked into one
+        directory: SFT's pass@1 on tasks like those it was trained on, beside the held-out one."""
+        sample = self.out / "train-sample"
+        if not sample.is_dir():
+            held_out = sum(1 for p in (self.gym / "held-out").iterdir() if (p / "task.json").is_file())
+            tasks = sorted(p for p in self.gym.iterdir() if (p / "task.json").is_file())[:held_out]
+            partial = sample.with_name(sample.name + ".partial")
+            partial.mkdir(exist_ok=True)
+            for task in tasks:
+                if not (partial / task.name).exists():
+                    (partial / task.name).symlink_to(task)
+            partial.rename(sample)
+        return sample
+
+    def eval_argv(self, model: Path, name: str, tasks: Path | None = None) -> tuple:
+        return ("eval", model, tasks or self.gym / "held-out", "--samples", self.scale.samples, "--out", self.evals / name,
+                "--workers", 8, "--quiet")
 
     def rl_argv(self, seed: int, arm: str) -> tuple:
-        sd = (f"env.signals=[{self.scale.sd_signals}]",) if arm == "sd" else ("rl.sd_coef=0",)
+        sd = (f"rl.sd_flags=[{self.scale.sd_flags}]",) if arm == "sd" else ("rl.sd_coef=0",)
         return ("rl", "rl-coding-small", f"run_dir={self.runs / f'rl-{seed}-{arm}'}",
                 f"init_from={self.runs / 'sft'}", f"env.tasks_dir={self.gym}", f"env.eval_dir={self.gym / 'held-out'}",
                 f"seed={seed}", "progress=false", *sd, *self.scale.rl)
 
     def report(self) -> None:
         from study_report import write_report       # tools/study_report.py: numbers, table, plots
-        write_report(self.out, self.seeds, self.scale.sd_signals.split(","))
+        write_report(self.out, self.seeds, self.scale.sd_flags.split(","))
         self.say(f"report: {self.out / 'study.md'}")
 
 

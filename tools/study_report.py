@@ -4,10 +4,10 @@ and OUT/study.md with the tables, plus three plots in OUT/plots/:
 - held-out pass@1 and pass@k of the SFT run and of each RL seed, with the paired bootstrap interval of
   RL - SFT (composer_jax.eval.compare);
 - pass@1 by difficulty level: the bug injections by mutation kind, the body deletions by deleted lines;
-- per RL step and arm (self-distillation on the selected signals, and off): the reward, and every flag
+- per RL step and arm (self-distillation on the selected flag kinds, and off): the reward, and every flag
   kind's share of turns, with the targeted kinds' slopes (per step, least squares) side by side.
 
-    python tools/study_report.py OUT --seeds 3 --signals effort,wrong_tool
+    python tools/study_report.py OUT --seeds 3 --flags redundant_call,wrong_tool
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from composer_jax.envs.feedback import FLAG_KINDS
-from composer_jax.envs.signals import SIGNALS
 from composer_jax.eval.compare import compare_runs
 from composer_jax.eval.scores import summarize, task_table
 from composer_jax.eval.store import read_attempts
@@ -88,15 +87,16 @@ def slope(steps: list, values: list) -> float | None:
     return float(np.polyfit(x, y, 1)[0])
 
 
-def collect(out: Path, seeds: int, signals: list[str]) -> dict:
+def collect(out: Path, seeds: int, targeted: list[str]) -> dict:
     gym, evals, runs = out / "gym", out / "evals", out / "runs"
-    targeted = [SIGNALS[s] for s in signals]
-    study: dict = {"signals": signals, "targeted_flags": targeted, "phases": [
+    study: dict = {"targeted_flags": targeted, "phases": [
         json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]}
     study["pretrain"] = _last(runs / "pretrain", ("eval_loss", "eval_bpb", "ce"))
     study["sft"] = _last(runs / "sft", ("ce", "eval_loss"))
-    study["eval"] = {"sft": eval_scores(evals / "sft")}
-    study["by_level"] = {"sft": pass_at_1_by_level(evals / "sft", gym / "held-out")}
+    # sft-train: the SFT run on as many training tasks as there are held-out ones (what it was trained on)
+    study["eval"] = {"sft-train": eval_scores(evals / "sft-train"), "sft": eval_scores(evals / "sft")}
+    study["by_level"] = {"sft-train": pass_at_1_by_level(evals / "sft-train", gym),
+                         "sft": pass_at_1_by_level(evals / "sft", gym / "held-out")}
     study["paired"], study["curves"], study["slopes"] = {}, {}, {}
     for seed in range(seeds):
         name = f"rl-{seed}"
@@ -195,8 +195,8 @@ def plots(study: dict, out: Path) -> None:
     fig.savefig(out / "rl_flags.png", dpi=120), plt.close(fig)
 
 
-def write_report(out: Path, seeds: int, signals: list[str]) -> dict:
-    study = collect(out, seeds, signals)
+def write_report(out: Path, seeds: int, targeted: list[str]) -> dict:
+    study = collect(out, seeds, targeted)
     (out / "study.json").write_text(json.dumps(study, indent=1))
     (out / "study.md").write_text(markdown(study))
     plots(study, out / "plots")
@@ -207,9 +207,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--signals", default="effort,wrong_tool")
+    p.add_argument("--flags", default="redundant_call,wrong_tool", help="the targeted flag kinds (rl.sd_flags)")
     args = p.parse_args()
-    write_report(args.out, args.seeds, args.signals.split(","))
+    write_report(args.out, args.seeds, args.flags.split(","))
     print((args.out / "study.md").read_text())
 
 

@@ -14,7 +14,7 @@ importing it (envs stay free of jax): `RolloutBatch(**rollout_fields(...))`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -34,8 +34,13 @@ class Turn:
 
 
 class TokenEpisode:
-    def __init__(self, env, tokenizer, *, rewards: RewardConfig = RewardConfig(), train_step: int = 0):
+    """`teach`: the flag kinds a turn's hint is made of (None: all); a turn flagged only with others keeps its
+    flags (counted) and gets no hint, so no teacher window (rl.sd_flags)."""
+
+    def __init__(self, env, tokenizer, *, rewards: RewardConfig = RewardConfig(), train_step: int = 0,
+                 teach: Collection[str] | None = None):
         self.env, self.tokenizer, self.rewards, self.train_step = env, tokenizer, rewards, train_step
+        self.teach = None if teach is None else frozenset(teach)
         self.fmt = env.fmt
         self.done = True
 
@@ -73,7 +78,8 @@ class TokenEpisode:
         message, ended, _ = text.partition(self.fmt.end_of_turn)
         observation, done, info = self.env.step(message)
         flags = tuple(info["flags"])
-        self.turns.append(Turn(start, len(self.tokens), flags, hint_for(flags, self.env.hint_context),
+        taught = flags if self.teach is None else [f for f in flags if f.kind in self.teach]
+        self.turns.append(Turn(start, len(self.tokens), flags, hint_for(taught, self.env.hint_context),
                                tuple(info.get("calls", ()))))
         tail = ("" if ended else self.fmt.end_of_turn) + self.fmt.turn_suffix
         if not done:

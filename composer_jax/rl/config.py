@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal
 
 from composer_jax.config import ConfigError
+from composer_jax.envs.feedback import FLAG_KINDS
 from composer_jax.train.config import OptimizerConfig
 
 
@@ -37,6 +38,9 @@ class RLConfig:
     # (tests/test_rl_oracle.py, the oracle-hint check)
     sd_divergence: Literal["reverse_kl", "forward_kl", "jsd", "sampled_token"] = "forward_kl"
     sd_jsd_beta: float = 0.5
+    # the flag kinds whose turns get a teacher window (their hint); other flags are still counted (flag_<kind>)
+    # and left to the reward: e.g. [redundant_call, wrong_tool] teaches the behaviours the hints name, not markup
+    sd_flags: tuple[str, ...] = FLAG_KINDS
     teacher_context: Literal["prefix", "full"] = "prefix"  # prefix: [hint + turn] over the student's latents
     # The teacher's parameters: the policy's own (live, under stop-gradient) or those it had when RL began
     # (initial: fixed, init_from's policy; OPSD's recommended teacher, rl.md 3.5); initial needs
@@ -67,6 +71,9 @@ class RLConfig:
             ("entropy_coef", self.entropy_coef >= 0, "must be >= 0"),
             ("sd_coef", self.sd_coef >= 0, "must be >= 0"),
             ("sd_jsd_beta", 0 < self.sd_jsd_beta < 1, "must be in (0, 1)"),
+            ("sd_flags", set(self.sd_flags) <= set(FLAG_KINDS),
+             f"unknown flag kind {', '.join(repr(k) for k in self.sd_flags if k not in FLAG_KINDS)}; the kinds are "
+             f"{', '.join(FLAG_KINDS)}"),
             ("sd_teacher", self.sd_teacher == "live" or self.teacher_context == "full",
              "initial needs teacher_context=full: the prefix teacher attends to the live student's latents"),
             ("loss_chunk", self.loss_chunk > 0, "must be > 0"),

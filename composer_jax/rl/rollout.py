@@ -322,7 +322,8 @@ class RolloutProducer:
 
     def _episode(self, prompt: Prompt, sample: int, index: int, in_env: dict) -> Rollout:
         env = TimedEnv(self.make_env(), in_env, (prompt.draw, sample))
-        episode = TokenEpisode(env, self.agent.tokenizer, rewards=self.cfg.rewards, train_step=index)
+        episode = TokenEpisode(env, self.agent.tokenizer, rewards=self.cfg.rewards, train_step=index,
+                               teach=self.cfg.rl.sd_flags)
         key = f"{prompt.draw}/{sample}"
         versions: list = []
         try:
