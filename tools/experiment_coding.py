@@ -58,7 +58,7 @@ SCALES = {
                    sft=("train.steps=2", "train.batch_size=2", "data.eval_fraction=0",
                         "agent.max_turns=2", "agent.max_new_tokens=32", "checkpoint.every=2"),
                    rl=("rl.steps=1", "rl.group_size=2", "rollout.batch_size=2", "rollout.max_new_tokens=32",
-                       "rollout.max_len=2048", "rollout.max_slots=2", "env.max_turns=2", "checkpoint.every=1")),
+                       "rollout.max_slots=2", "env.max_turns=2", "checkpoint.every=1")),
 }
 
 
