@@ -67,8 +67,6 @@ class Study:
         self.out, self.scale, self.seeds, self.quiet = out, scale, seeds, quiet
         self.gym, self.runs, self.evals = out / "gym", out / "runs", out / "evals"
         self.done = out / "done"
-        for d in (self.done, out / "logs"):
-            d.mkdir(parents=True, exist_ok=True)
 
     def phase(self, name: str, *argv) -> None:
         """Run `composer-jax ARGV` as phase `name` unless it finished before; a failure stops the study
@@ -94,7 +92,8 @@ class Study:
         if not self.quiet:
             print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
-    def run(self, until: str | None) -> None:
+    def phases(self) -> list[tuple[str, object]]:
+        """(name, argv) in order; an argv that needs an earlier phase's output is a function of none."""
         s, runs, gym = self.scale, self.runs, self.gym
         steps = [
             ("gym", ("tasks", "gym", gym, "--tasks", s.tasks, "--held-out", s.held_out, "--seed", 0)),
@@ -111,7 +110,12 @@ class Study:
             for arm in ("sd", "nosd"):
                 steps.append((f"rl-{seed}-{arm}", self.rl_argv(seed, arm)))
             steps.append((f"eval-rl-{seed}", self.eval_argv(runs / f"rl-{seed}-sd", f"rl-{seed}")))
-        for name, argv in steps:     # an argv that needs an earlier phase's output is made when its turn comes
+        return steps
+
+    def run(self, until: str | None) -> None:
+        for d in (self.done, self.out / "logs"):
+            d.mkdir(parents=True, exist_ok=True)
+        for name, argv in self.phases():
             self.phase(name, *(argv() if callable(argv) else argv))
             if name == until:
                 return
@@ -159,7 +163,14 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
-    Study(args.out, SCALES[args.scale], args.seeds, args.quiet).run(args.until)
+    study = Study(args.out, SCALES[args.scale], args.seeds, args.quiet)
+    names = [name for name, _ in study.phases()]
+    if args.until is not None and args.until not in names:
+        p.error(f"--until: no phase {args.until!r} (the phases: {', '.join(names)})")
+    try:
+        study.run(args.until)
+    except KeyboardInterrupt:
+        sys.exit(f"experiment_coding: interrupted; the same command resumes {args.out}")
 
 
 if __name__ == "__main__":
