@@ -324,7 +324,7 @@ def _add_eval(sub) -> None:
     c = subcommand(eval_sub, "compare", _run_eval_compare,
                    "paired difference of two runs per score, flipped tasks, a PNG",
                    "Compare two evaluation run directories on the tasks both ran: per score, "
-                   "B - A with a paired bootstrap 95%% interval over tasks, and the tasks solved "
+                   "B - A with a paired bootstrap 95% interval over tasks, and the tasks solved "
                    "by only one of them; prints a table and writes a PNG.")
     c.add_argument("run_a", metavar="RUN_A")
     c.add_argument("run_b", metavar="RUN_B")
