@@ -55,6 +55,10 @@ def test_the_splits_share_no_template_and_the_repositories_follow_the_seed():
             again = gym_lib.render_repo(*gym_lib.repo_plan(3, held_out, index))
             assert files == again and set(files) == {f"{name}.py", f"tests/test_{name}.py"}
     assert gym_lib.render_repo(*gym_lib.repo_plan(3, False, 0)) != gym_lib.render_repo(*gym_lib.repo_plan(4, False, 0))
+    names = {held_out: [gym_lib.repo_plan(0, held_out, i)[0] for i in range(200)] for held_out in (False, True)}
+    assert len(set(names[False]) | set(names[True])) == 400          # no name repeats, within or across splits
+    shapes = {held_out: {(n[:5], len(n)) for n in names[held_out]} for held_out in (False, True)}
+    assert shapes[False] == shapes[True] == {("util_", 11)}            # and none tells its split
 
 
 def test_a_split_fills_in_repository_order_whatever_the_workers(tmp_path, monkeypatch):
