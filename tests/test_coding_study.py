@@ -87,3 +87,25 @@ def test_the_study_runs_phase_to_phase_at_its_smoke_size_and_resumes(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert len((out / "phases.jsonl").read_text().splitlines()) == len(phases)
+
+
+def test_turn_fit_finds_each_assistant_turn_as_the_renderer_marks_it():
+    """tools/sft_turn_fit.py scores each assistant turn: its spans of trained tokens decode to the
+    renderer's trained pieces (each turn's call and end marker), in order."""
+    from composer_jax.data.chat import render, tokenize_conversation
+    from composer_jax.data.tokenizer import load_tokenizer
+
+    import sft_turn_fit
+
+    tokenizer = load_tokenizer(str(REPO / "configs" / "tokenizers" / "tiny-bpe"))
+    call = lambda name, args: {"role": "assistant", "content": "", "tool_calls": [  # noqa: E731
+        {"id": f"c{name}", "type": "function", "function": {"name": name, "arguments": args}}]}
+    messages = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Fix it."},
+                call("run", {"command": "pytest -q"}), {"role": "tool", "content": "1 failed"},
+                call("read_file", {"path": "util_42frvn.py"}), {"role": "tool", "content": "1| x = 1"},
+                {"role": "assistant", "content": "Done.", "tool_calls": [
+                    {"id": "cs", "type": "function", "function": {"name": "submit", "arguments": {}}}]}]
+    tokens, mask = tokenize_conversation(messages, lambda t: np.asarray(tokenizer.encode(t)))
+    spans = sft_turn_fit.turn_spans(mask)
+    assert [tokenizer.decode(tokens[s].tolist()) for s in spans] == [t for t, trained in render(messages) if trained]
+    assert len(spans) == 3 and sft_turn_fit.turn_spans(np.zeros(4, np.int32)) == []
