@@ -23,6 +23,7 @@ from composer_jax.envs.feedback import FLAG_KINDS
 from composer_jax.eval.compare import compare_runs
 from composer_jax.eval.scores import summarize, task_table
 from composer_jax.eval.store import read_attempts
+from composer_jax.train.metrics import read_metrics
 
 ARMS = ("sd", "nosd")
 
@@ -68,8 +69,7 @@ def rl_curves(run_dir: Path) -> dict[str, list]:
     """Per step of an RL run: step, reward_mean and flag_<kind> (the share of turns flagged)."""
     keys = ["reward_mean", "pass_rate", *(f"flag_{k}" for k in FLAG_KINDS)]
     curves: dict[str, list] = {"step": [], **{k: [] for k in keys}}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(run_dir):
         if "reward_mean" not in record:
             continue
         curves["step"].append(record["step"])
@@ -114,8 +114,7 @@ def collect(out: Path, seeds: int, targeted: list[str]) -> dict:
 def _last(run_dir: Path, keys: tuple[str, ...]) -> dict:
     """The last value of each key in a training run's metrics, with its step."""
     found = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in read_metrics(run_dir):
         for k in keys:
             if k in record:
                 found[k] = {"step": record["step"], "value": record[k]}
