@@ -73,6 +73,7 @@ def test_per_layer_remat_lowers_temp_memory(temps):
     assert full < 0.6 * none
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["reference", "blockwise"])
 def test_per_layer_remat_keeps_loss_and_gradients(attention):
     cfg = load_config("tiny", [f"attention={attention}"])

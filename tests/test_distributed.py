@@ -206,6 +206,7 @@ def test_group_stops_together_resumes_and_outlives_a_dead_peer(tmp_path):
     assert logged == list(range(1, len(logged) + 1))   # each step once (process 0 only), cut back on resume
 
 
+@pytest.mark.slow
 def test_failed_peer_ends_the_other_with_its_reason(tmp_path):
     """Process 1 fails to start (its data path does not exist); it says why and exits at once, and process
     0, waiting for it, exits with process 1's reason instead of waiting out a timeout."""
@@ -245,6 +246,7 @@ def test_checkpoint_barriers_in_a_thread_do_not_cross_the_steps_collectives(tmp_
         assert status == 0 and procs[i].stdout_text.strip().endswith("ok"), f"process {i}:\n{err[-3000:]}"
 
 
+@pytest.mark.slow
 def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
     """Process 1 starts, process 0 never does: after --init-timeout, one line and status 75 (JAX would
     abort later with a stack trace)."""

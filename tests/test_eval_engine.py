@@ -87,6 +87,7 @@ def _records(run: Path) -> list[dict]:
 # end to end
 
 
+@pytest.mark.slow
 def test_cli_evaluates_a_training_run_on_coding_tasks(run_dir, tmp_path, capsys):
     tasks = tmp_path / "tasks"
     for i in range(2):
@@ -164,6 +165,7 @@ def _assert_close(a, b, where: str) -> None:
         assert a == b, where
 
 
+@pytest.mark.slow
 def test_transcripts_do_not_depend_on_the_worker_count(dialogue_runs):
     """Tokens, turns and texts equal, behaviour log-probs within 1e-5: programs attend to the cache up
     to the longest slot they serve, rounded up, and the prompts read together set the chunks, so
@@ -180,6 +182,7 @@ def test_transcripts_do_not_depend_on_the_worker_count(dialogue_runs):
     assert len(texts) == 6          # every attempt drew its own tokens
 
 
+@pytest.mark.slow
 def test_episodes_share_engine_steps_with_a_bounded_number_of_programs(dialogue_runs):
     runs, traces = dialogue_runs
     alone, shared = runs[1][1], runs[5][1]

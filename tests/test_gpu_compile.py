@@ -88,6 +88,7 @@ def test_compile_for_without_the_plugin_names_the_extra(monkeypatch):
         gpu_compile.gpu_devices("h100", 2, 8)
 
 
+@pytest.mark.slow
 def test_train_step_has_cudnn_attention_forward_and_backward(train_step):
     """attention: cudnn with MLA's unequal head dims over packed documents, on the dual grid (which
     JAX's own cuDNN entry point cannot lower: both meshes in one program): cuDNN's fused attention
@@ -96,6 +97,7 @@ def test_train_step_has_cudnn_attention_forward_and_backward(train_step):
     assert calls.get("__cudnn$fmhaSoftmax") == 2 and calls.get("__cudnn$fmhaSoftmaxBackward") == 2, calls
 
 
+@pytest.mark.slow
 def test_train_step_grid_handoff_adds_no_collective(train_step):
     """ep_ragged over ep=8: the only exchanges (all-to-all, ragged all-to-all, collective-permute) are
     the dispatch's, over the expert grid's ep; moving activations between the grids adds none."""
@@ -116,6 +118,7 @@ def test_rl_step_with_muon_compiles_its_exchange(rl_step):
     assert rl_step.total > 0
 
 
+@pytest.mark.slow
 def test_planner_state_equals_the_compiled_arguments(train_step):
     """The state the planner lays out per device (parameters, biases, optimizer moments) and the batch
     (four int32 features of 16 x 64 tokens over 16 devices) are what XLA's GPU build takes as its
@@ -132,6 +135,7 @@ def engine_programs(h100s):
     return gpu_compile.compile_engine(_config(), h100s, slots=16, max_len=64, chunk=16, steps=4)
 
 
+@pytest.mark.slow
 def test_engine_prefill_and_decode_update_their_cache_in_place(engine_programs):
     """Both programs donate the latent cache and XLA aliases it to their output: per device, layers x
     slots x positions x (kv_lora 32 + rope 8) x 2 bytes with the 16 slots split over the 16 devices'

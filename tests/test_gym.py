@@ -97,6 +97,7 @@ def small_gym(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_every_task_of_a_small_gym_fails_as_given_and_passes_with_its_solution(small_gym):
     train = [load_task(p) for p in sorted(small_gym.iterdir()) if (p / "task.json").is_file()]
     held = [load_task(p) for p in sorted((small_gym / "held-out").iterdir())]
@@ -111,6 +112,7 @@ def test_every_task_of_a_small_gym_fails_as_given_and_passes_with_its_solution(s
     assert [r.reward for r in solved] == [1.0] * len(tasks)
 
 
+@pytest.mark.slow
 def test_no_training_task_holds_held_out_code(small_gym):
     """The report's templates, and the text itself: no held-out function body (what a held-out body
     deletion's solution adds) appears in any training task's files."""

@@ -299,6 +299,7 @@ def test_errors_name_the_parameter():
         muon(0.1, muon_weight_dimension_numbers=DIMS, meshes=(_meshes()["dense"],)).init(_shard(_values(0)))
 
 
+@pytest.mark.slow
 def test_model_on_the_dual_mesh():
     """The tiny model placed by composer_jax.parallel on a DualMesh (dense weights on fsdp, replicated
     over replica and cp; experts on ep and efsdp), stepped under `with dual:`: optax's updates, each in

@@ -9,6 +9,7 @@ from composer_jax.bench.rl_teacher import teacher_flops
 MODEL = load_config("tiny", ["rope.max_position_embeddings=512"])
 
 
+@pytest.mark.slow
 def test_teacher_cost_follows_the_turn_not_the_trajectory():
     """From the lowered step's HLO cost analysis (compiling takes minutes on 2 cores; the slow test
     below checks these numbers against the compiled step's). 8 traces: a step without a flagged turn

@@ -430,6 +430,7 @@ def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch
         server.close()
 
 
+@pytest.mark.slow
 def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
     """tools/bench_weight_transfer.py at a tiny size: both transports deliver every version (the engine
     process checks each) and the JSON has the side-by-side timings."""

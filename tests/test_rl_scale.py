@@ -63,6 +63,7 @@ def _assert_metrics_equal(ours: dict, ref: dict):
         assert abs(ours[name] - value) <= 1e-5 * scale, (name, ours[name], value)
 
 
+@pytest.mark.slow
 def test_micro_batches_equal_the_whole_batch_step(model):
     """Two micro-batches of 2 rows (each group split between them, micro-batches with different token
     and flagged-turn counts) give the whole batch's loss, metrics, gradient and update."""

@@ -153,6 +153,7 @@ def _reference_terms(graphdef, biases, rest, batch, cfg, teacher_params=None):
     return {"pg": pg, "kl": kl, "entropy": entropy, "sd": sd, "mtp": mtp}
 
 
+@pytest.mark.slow
 def test_fused_gradient_equals_sum_of_separate_terms(model):
     batch = _batch(seed=1, with_ref=True)
     # Behaviour log-probs below the policy's (about -log 256) on some tokens: stale samples hit the cap.
@@ -179,6 +180,7 @@ def test_fused_gradient_equals_sum_of_separate_terms(model):
     assert 0 < float(metrics["is_clip_frac"]) < 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hint_len", [3, 0])
 def test_fixed_teacher_is_the_initial_policy(model, hint_len):
     """sd_teacher=initial: once the policy has moved, the self-distillation term and the step's gradient

@@ -68,6 +68,7 @@ def _run_yaml(tmp_path, source, **sections) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_pretraining_from_a_transformers_checkpoint_starts_at_its_loss(hf_dir, hub, tmp_path):
     """The first step's loss equals transformers' cross-entropy on the same batch (float32, 1e-5); named by
     its Hugging Face id (org/name, from the cache) the model starts at the same loss."""

@@ -83,6 +83,7 @@ def test_speculative_greedy_equals_plain_greedy(model, engines, greedy_plain):
     assert result.mean_accepted_length == pytest.approx(1 + drafts * result.acceptance_rate)
 
 
+@pytest.mark.slow
 def test_chained_depths_keep_greedy_and_count_acceptance(model, engines, greedy_plain):
     """2 drafts by two chained MTP depths (2 by one depth run twice, one position on: the test above; 1
     draft: tests/test_infer_sharded.py) give the plain greedy tokens on a batch of prompts of 5 lengths. The
@@ -204,6 +205,7 @@ def _sample_pairs(engine, prompt):
     return counts
 
 
+@pytest.mark.slow
 def test_speculative_sampling_follows_the_model_distribution(model, engines):
     """4096 two-token samples (fixed seeds): the pair (g1, g2) follows p(g1) p(g2 | g1) for plain and for
     speculative decoding, where g2 is the verified MTP draft or its replacement. The same test rejects

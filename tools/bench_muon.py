@@ -35,6 +35,8 @@ def main(argv=None):
     parser.add_argument("--plan-only", action="store_true",
                         help="print the planned NS shares (this tree on 8 devices, Kimi K2.5 on 64 and 256) and exit")
     args = parser.parse_args(argv)
+    if args.ns_steps < 2:
+        parser.error(f"--ns-steps {args.ns_steps}: at least 2 (the NS FLOPs are the difference of two step counts)")
     if len(jax.devices()) != 8:
         raise SystemExit(f"needs 8 devices, found {len(jax.devices())}")
     if args.plan_only:
