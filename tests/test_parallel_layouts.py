@@ -88,3 +88,20 @@ def test_context_parallel_attention_equals_unsharded():
         context_parallel = jax.tree.map(np.asarray, nnx.jit(run)(sharded, tokens, segments))
     for ours, ref in zip(context_parallel, plain):
         np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moving_tokens_between_the_grids_adds_no_collective():
+    """Two rows per device with cp=2 (1x4x2/1x8) and a dispatch that only gathers the experts' weights
+    (`dense` on the expert grid): the compiled training step has no all-to-all and no collective-permute.
+    Each device's tokens go to the expert grid and back where they are; flattening the batch
+    batch-major exchanged them with an all-to-all each way, in every MoE layer."""
+    from composer_jax.train import step as step_lib
+    from composer_jax.train.config import load_run_config
+    from composer_jax.train.loop import make_mesh
+
+    cfg = load_run_config("pretrain-tiny", ["model.moe.dispatch=dense", "mesh.fsdp=4", "mesh.cp=2", "mesh.ep=8",
+                                            "train.batch_size=8", "train.seq_len=32"])
+    dual = make_mesh(cfg)
+    assert cfg.train.batch_size // dual.sizes["fsdp"] == 2 and dual.sizes["cp"] == 2
+    text = step_lib.lower_train_step(cfg, dual).compile().as_text()
+    assert not [op for op in ("all-to-all", "collective-permute") if f" {op}(" in text or f" {op}-start(" in text]

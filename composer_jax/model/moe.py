@@ -12,7 +12,7 @@ from composer_jax.model import dispatch
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.model.layers import MLP, param
 from composer_jax.model.router import Router, expert_load
-from composer_jax.parallel.partitioning import activation_spec, spread_tokens, unspread_tokens
+from composer_jax.parallel.partitioning import flatten_tokens, spread_tokens, unflatten_tokens, unspread_tokens
 
 
 class MoE(nnx.Module):
@@ -66,11 +66,11 @@ class MoE(nnx.Module):
             y = dispatch.BACKENDS[self.dispatch](tokens, weights, idx, w).reshape(b, s, d)
             stats = {"expert_load": expert_load(idx, self.num_experts), "dropped": jnp.zeros((), jnp.int32)}
         else:
-            # Training: tokens on every dense token axis. Inference: the batch's own placement (split over
-            # the data axes or replicated), spread over the devices for the dispatch and back.
+            # Training: each device's tokens flattened where they are (no collective). Inference: the batch's
+            # own placement (split over the data axes or replicated), spread over the devices and back.
             batch = jax.typeof(x).sharding.spec[0] if dual.inference else None
-            token_spec = P(batch, None) if dual.inference else activation_spec("tokens", None)
-            tokens = jnp.reshape(x.astype(self.dtype), (b * s, d), out_sharding=token_spec)
+            tokens = (jnp.reshape(x.astype(self.dtype), (b * s, d), out_sharding=P(batch, None)) if dual.inference
+                      else flatten_tokens(x.astype(self.dtype), dual.sizes))
             weights, idx = self.router(tokens)
             if dual.inference:
                 tokens, weights, idx = (spread_tokens(a, dual) for a in (tokens, weights, idx))
@@ -78,10 +78,8 @@ class MoE(nnx.Module):
                 w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
             factor = 0.0 if dual.inference else self.capacity_factor  # decoding never drops
             y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w, factor)
-            if dual.inference:
-                y = unspread_tokens(y, b * s, token_spec)
-            out_spec = P(batch, None, None) if dual.inference else activation_spec("batch", "seq", None)
-            y = jnp.reshape(y, (b, s, d), out_sharding=out_spec)
+            y = (jnp.reshape(unspread_tokens(y, b * s, P(batch, None)), (b, s, d), out_sharding=P(batch, None, None))
+                 if dual.inference else unflatten_tokens(y, (b, s, d), dual.sizes))
             stats = {"expert_load": load, "dropped": dropped}
         if self.shared is not None:
             y = y + self.shared(x)

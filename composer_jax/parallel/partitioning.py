@@ -18,6 +18,7 @@ batch of one works on any grid; the expert dispatch pads and spreads the tokens 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -243,6 +244,27 @@ def inference_batch_sharding(dual: DualMesh, shape: tuple[int, ...], batch_dim: 
     spec = [None] * len(shape)
     spec[batch_dim] = inference_batch_axes(dual, shape[batch_dim])
     return NamedSharding(dual.dense, P(*spec))
+
+
+def flatten_tokens(x: jax.Array, sizes: dict[str, int]) -> jax.Array:
+    """x: [batch, seq, embed] in the training layout (batch over the batch axes, seq over cp) -> [batch *
+    seq, embed] over every dense token axis, each device keeping its own tokens (its rows' slices of its
+    sequence block, row-major). A plain reshape orders the tokens batch-major over the whole batch, which
+    moves them between devices (an all-to-all each way, each layer) once a device holds two rows or more
+    and cp > 1. The MoE is per token, so the order does not change its result; `unflatten_tokens` undoes it."""
+    b, s, d = x.shape
+    rows, cp = math.prod(sizes[a] for a in BATCH_AXES), sizes["cp"]
+    x = jnp.reshape(x, (rows, b // rows, cp, s // cp, d), out_sharding=P(BATCH_AXES, None, "cp", None, None))
+    return jnp.reshape(jnp.transpose(x, (0, 2, 1, 3, 4)), (b * s, d), out_sharding=P(DENSE_TOKEN_AXES, None))
+
+
+def unflatten_tokens(y: jax.Array, shape: tuple[int, int, int], sizes: dict[str, int]) -> jax.Array:
+    """The inverse of `flatten_tokens`: y [batch * seq, embed] -> [batch, seq, embed] (`shape`) in the
+    training layout, without a collective."""
+    b, s, d = shape
+    rows, cp = math.prod(sizes[a] for a in BATCH_AXES), sizes["cp"]
+    y = jnp.reshape(y, (rows, cp, b // rows, s // cp, d), out_sharding=P(BATCH_AXES, "cp", None, None, None))
+    return jnp.reshape(jnp.transpose(y, (0, 2, 1, 3, 4)), shape, out_sharding=P(BATCH_AXES, "cp", None))
 
 
 def spread_tokens(tokens: jax.Array, dual: DualMesh) -> jax.Array:
