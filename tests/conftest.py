@@ -19,7 +19,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import collections  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from composer_jax.cpu_devices import (huge_pages_environment, quiet_cuda_plugin_without_driver,  # noqa: E402
                                      use_cpu_devices)
@@ -79,11 +81,19 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with the most slow tests run first (with `--dist loadfile` the two workers then start on
-    the long files and end on short ones, not one of them on a long file alone). GPU-only tests are
-    exercised by tools/device_check.sh, not by the CPU suite."""
+    """The longest files run first, by the seconds `tests/file_seconds.json` records for each (with
+    `--dist loadfile` the two workers then start on the long files and end on short ones, not one of
+    them on a long file alone; a file it does not list counts 20 s per slow test). Refresh it from a
+    measured run: `python tools/compile_report.py /tmp/cr* --write-file-seconds tests/file_seconds.json`.
+    GPU-only tests are exercised by tools/device_check.sh, not by the CPU suite."""
+    recorded = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
     slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.path])   # stable: the order within a file is kept
+    root = Path(config.rootpath)
+
+    def seconds(item) -> float:
+        return recorded.get(item.path.relative_to(root).as_posix(), 20 * slow[item.path])
+
+    items.sort(key=lambda item: -seconds(item))   # stable: the order within a file is kept
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU: run tools/device_check.sh")

@@ -4,6 +4,9 @@ seconds of CPU it used (with its subprocesses) and the seconds it spent tracing,
 programs in the test process; then the programs that cost the most over the whole run, by name.
 
     python -m pytest -q -n 2 --compile-report /tmp/cr && python tools/compile_report.py /tmp/cr*
+
+`--write-file-seconds tests/file_seconds.json` also writes each file's wall seconds, the order in which
+`tests/conftest.py` starts the files (longest first).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="the files --compile-report wrote")
     parser.add_argument("--top", type=int, default=15, help="rows per table (default 15)")
     parser.add_argument("--by", choices=COLUMNS, default="wall_s", help="the column to rank by (default wall_s)")
+    parser.add_argument("--write-file-seconds", type=Path, metavar="JSON",
+                        help="write {file: wall seconds} here (the suite's file order: tests/file_seconds.json)")
     args = parser.parse_args(argv)
     records = load(args.paths)
     by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -68,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(files, "file"), end="\n\n")
     print(table([(f"all {len(records)} tests", total)], "total"), end="\n\n")
     print(program_table(records, args.top))
+    if args.write_file_seconds:
+        ranked = sorted(by_file.items(), key=lambda kv: -kv[1]["wall_s"])
+        args.write_file_seconds.write_text(json.dumps({f: round(c["wall_s"]) for f, c in ranked}, indent=1) + "\n")
     return 0
 
 
