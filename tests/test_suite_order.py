@@ -19,7 +19,8 @@ def test_file_seconds_sum_each_files_tests_longest_first(tmp_path, capsys):
     for name, rows in records.items():
         (tmp_path / name).write_text("".join(json.dumps({"test": t, "wall_s": w, **FIELDS}) + "\n" for t, w in rows))
     out = tmp_path / "file_seconds.json"
-    assert compile_report.main([str(tmp_path / "cr.gw0"), str(tmp_path / "cr.gw1"), "--write-file-seconds", str(out)]) == 0
+    paths = [str(tmp_path / "cr.gw0"), str(tmp_path / "cr.gw1")]
+    assert compile_report.main([*paths, "--write-file-seconds", str(out)]) == 0
     assert list(json.loads(out.read_text()).items()) == [("tests/test_b.py", 30), ("tests/test_a.py", 7),
                                                          ("tests/test_c.py", 0)]
     assert "| tests/test_b.py |" in capsys.readouterr().out

@@ -12,7 +12,8 @@ Nesterov and no weight decay.
 
 Timing: median of interleaved runs (ours, optax, ours, ...). NS FLOPs per device come from the
 compiled programs' cost analysis: ns_steps x (F(ns_steps) - F(ns_steps - 1)) (XLA counts a loop body
-once, so both implementations unroll their NS loop; every iteration multiplies the same matrices); `ns_flops_total` is the dense-GEMM count summed over matrices.
+once, so both implementations unroll their NS loop; every iteration multiplies the same matrices);
+`ns_flops_total` is the dense-GEMM count summed over matrices.
 """
 
 from __future__ import annotations
