@@ -243,6 +243,9 @@ def test_an_episode_past_the_context_ends_unsolved(opened, tmp_path):
     with _agent(opened) as agent:
         summary = evaluate(agent, tasks, tmp_path / "run", EvalConfig(),
                            make_env=lambda: DialogueEnv(agent.fmt, (600,)))
+        # end_episode queues the release for the engine's driver thread; a weight update returns only once
+        # the driver has run it, so every command queued before it has run too.
+        agent.update_weights(opened.model, agent.version)
         assert agent.engine.kept == {}   # released although the episode did not finish
         prompt = list(range(256)) * 2
         with pytest.raises(AgentError, match="task t: its prompt of 512 tokens does not fit the agent's context "
