@@ -90,6 +90,12 @@ class RopeConfig:
                f"need beta_fast > beta_slow > 0, got {self.beta_fast} and {self.beta_slow}")
 
 
+# Kimi K2.5's INT4 routed experts (compressed-tensors, symmetric groups): inputs per scale, and the
+# symmetric scale's divisor max |w| / ((q_max - q_min) / 2) for q in [-8, 7].
+INT4_GROUP = 32
+INT4_MAX_ABS = 7.5
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Sigmoid-routed MoE with selection-only correction bias and a shared expert."""
@@ -110,6 +116,9 @@ class MoEConfig:
     # ep x tokens x min(k, experts per device) rows, 48x the assignments at Kimi K2.5 scale)
     capacity_factor: float = 2.0
     bias_update_rate: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3's gamma)
+    # int4: every forward uses the routed experts through K2.5's INT4 quantizer (groups of INT4_GROUP inputs)
+    # with a straight-through gradient: quantization-aware training, and the policy an INT4 engine serves
+    expert_quant: Literal["none", "int4"] = "none"
 
     def __post_init__(self):
         _check(self.n_routed_experts > 0, "n_routed_experts", "must be > 0")
@@ -173,6 +182,10 @@ class ModelConfig:
         _check(0 <= self.num_dense_layers <= self.num_layers, "num_dense_layers",
                f"must be in [0, num_layers={self.num_layers}], got {self.num_dense_layers}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+        if self.moe.expert_quant == "int4":   # groups along each expert matrix's inputs
+            for key, width in (("hidden_size", self.hidden_size), ("moe.moe_intermediate_size", self.moe.moe_intermediate_size)):
+                _check(width % INT4_GROUP == 0, key, f"moe.expert_quant=int4 quantizes groups of {INT4_GROUP} inputs: "
+                                                    f"needs a multiple of {INT4_GROUP}, got {width}")
 
     @property
     def num_moe_layers(self) -> int:
@@ -221,7 +234,7 @@ def check_fits_model(key: str, length: int, model: ModelConfig) -> None:
 # Model keys a run may set differently from the source it starts from (`train.init_from`, RL's
 # `init_from`): how the model runs, or what a phase changes on purpose (RoPE scaling extends the context;
 # MTP depths the source lacks are initialised fresh). Every other key is the source's architecture.
-RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "attention", "dtype", "param_dtype",
+RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "moe.expert_quant", "attention", "dtype", "param_dtype",
                 "mtp.num_layers", "mtp.loss_weight", "rope.")
 
 

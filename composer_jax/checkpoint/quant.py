@@ -8,6 +8,7 @@ Formats (shared/reference/kimi_arch.md section 3):
 - DeepSeek-V3 / Kimi K2 FP8 blocks: `X.weight` float8_e4m3fn[out, in] with `X.weight_scale_inv`
   f32[ceil(out/bo), ceil(in/bi)] (blocks `weight_block_size` = [bo, bi], 128x128):
   W[o, i] = float32(w[o, i]) * scale_inv[o // bo, i // bi].
+`quantize_int4` is the INT4 quantizer (compressed-tensors' symmetric groups), the inverse `dequant_int4` reads.
 `TensorReader` presents every `X.weight` as one logical tensor whatever its storage, and reads any range
 of its rows (output features): plain tensors keep their dtype, quantized ones come back as float32.
 """
@@ -21,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from composer_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
+from composer_jax.config import INT4_MAX_ABS
 
 FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
 INT4_PARTS = ("_packed", "_scale", "_shape")  # suffixes on `X.weight`
@@ -91,6 +93,31 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, in_features: int, group:
     w = q.astype(np.float32)
     w -= 8.0
     return _scale_columns(w, scale, group)
+
+
+def int4_scales(w: np.ndarray, group: int) -> np.ndarray:
+    """float32 [rows, in] -> bfloat16 [rows, ceil(in/group)]: max |w| of each group of `group` inputs / 7.5,
+    at least float32's eps, rounded to bfloat16 as K2.5's `weight_scale` is stored."""
+    rows, n = w.shape
+    padded = np.zeros((rows, -(-n // group) * group), np.float32)
+    padded[:, :n] = np.abs(w)
+    amax = padded.reshape(rows, -1, group).max(axis=-1)
+    return np.maximum(amax / np.float32(INT4_MAX_ABS), np.finfo(np.float32).eps).astype(ml_dtypes.bfloat16)
+
+
+def quantize_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """float [rows, in] -> (int32 [rows, ceil(in/8)] packed, bfloat16 [rows, ceil(in/group)] scale), the
+    layout `dequant_int4` reads: q = clip(round-half-even(w / scale), -8, 7), stored as the nibble q + 8,
+    inputs 8j..8j+7 in int32 column j, low nibble first."""
+    w = np.asarray(w, np.float32)
+    rows, n = w.shape
+    scale = int4_scales(w, group)
+    per_input = np.repeat(scale.astype(np.float32), group, axis=1)[:, :n]
+    q = np.clip(np.rint(w / per_input), -8, 7).astype(np.int64) + 8
+    nibbles = np.zeros((rows, -(-n // 8) * 8), np.int64)
+    nibbles[:, :n] = q
+    packed = (nibbles.reshape(rows, -1, 8) << (4 * np.arange(8))).sum(axis=-1)   # < 2**32: no carries
+    return packed.astype(np.uint32).view(np.int32), scale
 
 
 def dequant_fp8(w: np.ndarray, scale_inv: np.ndarray, row0: int, block: tuple[int, int]) -> np.ndarray:

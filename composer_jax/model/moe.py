@@ -11,6 +11,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model import dispatch
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.model.layers import MLP, param
+from composer_jax.model.quant import fake_quant_int4
 from composer_jax.model.router import Router, expert_load
 from composer_jax.parallel.partitioning import flatten_tokens, spread_tokens, unflatten_tokens, unspread_tokens
 
@@ -33,6 +34,7 @@ class MoE(nnx.Module):
         self.num_experts = moe.n_routed_experts
         self.dtype = jnp.dtype(cfg.dtype)
         self.dispatch, self.capacity_factor = moe.dispatch, moe.capacity_factor
+        self.int4 = moe.expert_quant == "int4"
         self.router = Router(cfg, rngs=rngs)
         e, f = moe.n_routed_experts, moe.moe_intermediate_size
         # Stacked expert weights: the expert axis is a batch axis (Muon orthogonalizes per expert).
@@ -45,12 +47,16 @@ class MoE(nnx.Module):
         self.shared = (MLP(cfg, f * moe.n_shared_experts, rngs=rngs, mlp_axis="moe_mlp")
                        if moe.n_shared_experts else None)
 
+    def _compute(self, matrix: jax.Array) -> jax.Array:
+        """An expert matrix (or stack) in the compute dtype, through the INT4 quantizer first with `int4`."""
+        return (fake_quant_int4(matrix) if self.int4 else matrix).astype(self.dtype)
+
     def _local(self, var: nnx.Param):
         """An expert matrix in the compute dtype: stacked, or per-expert arrays as `unstack_layers` left them."""
         value = var.get_value()
         if isinstance(value, tuple):
-            return tuple(m.astype(self.dtype) for m in value)
-        return value.astype(self.dtype)
+            return tuple(self._compute(m) for m in value)
+        return self._compute(value)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, s, d = x.shape
@@ -75,7 +81,7 @@ class MoE(nnx.Module):
             if dual.inference:
                 tokens, weights, idx = (spread_tokens(a, dual) for a in (tokens, weights, idx))
             with dual.expert_scope():
-                w = dispatch.ExpertWeights(*(e[...].astype(self.dtype) for e in experts))
+                w = dispatch.ExpertWeights(*(self._compute(e[...]) for e in experts))
             factor = 0.0 if dual.inference else self.capacity_factor  # decoding never drops
             y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w, factor)
             y = (jnp.reshape(unspread_tokens(y, b * s, P(batch, None)), (b, s, d), out_sharding=P(batch, None, None))
