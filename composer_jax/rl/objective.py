@@ -123,13 +123,18 @@ def loss_terms(model: CausalLM, teacher: CausalLM, batch: RolloutBatch, advantag
         terms["entropy"] = -losses.entropy_bonus(entropy, mask, cfg.entropy_coef, n)
 
     token_sum = lambda x: jnp.sum(x * mask)  # noqa: E731
+    # The learner's token log-probs against the engine's: the policy's lag behind, and with an INT4 engine
+    # (rollout.weights=int4) over float experts the quantization's effect too.
+    gap = sg(jnp.abs(logp - batch.behaviour_logprobs))
     sums = dict(entropy=token_sum(sg(entropy)), is_weight_mean=token_sum(weights),
                 is_clip_frac=token_sum(clipped.astype(jnp.float32)),
-                behaviour_kl_k3=token_sum(sg(losses.kl_estimate(batch.behaviour_logprobs, logp, "k3"))))
+                behaviour_kl_k3=token_sum(sg(losses.kl_estimate(batch.behaviour_logprobs, logp, "k3"))),
+                behaviour_logp_gap=token_sum(gap))
     if batch.ref_logprobs is not None:
         sums["kl_k1"] = token_sum(sg(losses.kl_estimate(logp, batch.ref_logprobs, "k1")))
         sums["kl_k3"] = token_sum(sg(losses.kl_estimate(logp, batch.ref_logprobs, "k3")))
-    maxes = dict(is_weight_max=jnp.max(jnp.where(mask > 0, weights, 0.0)))
+    maxes = dict(is_weight_max=jnp.max(jnp.where(mask > 0, weights, 0.0)),
+                 behaviour_logp_gap_max=jnp.max(jnp.where(mask > 0, gap, 0.0)))
     # Expert assignments dropped by the dispatch's capacity (moe.capacity_factor) and all made.
     sums.update(moe_dropped=jnp.sum(out.dropped).astype(jnp.float32),
                 moe_assigned=jnp.sum(out.expert_load).astype(jnp.float32))

@@ -60,6 +60,10 @@ class RolloutConfig:
     # directory transport: `composer-jax rl-engine --engine K` processes, K = 0..engines-1; engine K samples
     # its own share of the training tasks and produces batches K, K + engines, ... (rl/exchange/engine_process.py)
     engines: int = 1
+    # the engines' policy: the learner's weights as they are, or int4: the routed experts through K2.5's INT4
+    # quantizer (model.moe.expert_quant's); the step's importance weights see the difference, and the metrics
+    # behaviour_logp_gap(_max) its size. Quantization-aware RL (model.moe.expert_quant=int4) trains that policy.
+    weights: Literal["learner", "int4"] = "learner"
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
@@ -211,9 +215,20 @@ class RLRunConfig:
             check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
+        _ = self.engine_model     # rollout.weights=int4 on a model it cannot quantize: an error at load
         if self.env.repos and self.rollout.transport != "thread":
             raise ConfigError("env.repos", "a growing task pool feeds the learner's own rollout producer: needs "
                                            f"rollout.transport=thread, got {self.rollout.transport!r}")
+
+    @property
+    def engine_model(self) -> ModelConfig:
+        """The model the rollout engines run: the learner's, with INT4 routed experts under rollout.weights=int4."""
+        if self.rollout.weights == "learner" or self.model.moe.expert_quant == "int4":
+            return self.model
+        try:
+            return dataclasses.replace(self.model, moe=dataclasses.replace(self.model.moe, expert_quant="int4"))
+        except ConfigError as e:
+            raise ConfigError("rollout.weights", f"int4 needs a model whose expert widths it can quantize: {e}") from None
 
     @property
     def teacher_slots(self) -> int:

@@ -87,8 +87,8 @@ def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print, engine: in
 def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float, engine: int) -> dict:
     setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
     cfg = setup.cfg
-    model = CausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
-    shard_model(model, engine_grids(cfg.model, jax.devices()))
+    model = CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
+    shard_model(model, engine_grids(cfg.engine_model, jax.devices()))
     agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
     exchange = None
