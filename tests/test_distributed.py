@@ -278,7 +278,8 @@ def _rl_records(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_rl_learner_of_two_processes_matches_one(tmp_path):
     """`composer-jax rl` as 2 processes x 4 devices (init_from a run, streamed by each process into its shards;
-    the reference policy; RL steps on the dual grid, weights gathered to the exchange directory) with the
+    the reference policy; RL steps on the dual grid, each weight version written shard by shard by both
+    processes to the exchange directory) with the
     rollout engine process beside it (the parity tasks of tests/rl_parity.py: rewards and flagged turns
     from a near-random policy) trains as one learner process with 8 devices does: the same batches
     (staleness 0: the engine samples each batch with the weights of the step before), the same losses step
@@ -287,7 +288,7 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     from flax import nnx
 
     from composer_jax.source_weights import open_model
-    from composer_jax.rl.exchange.npz import read_weights
+    from composer_jax.rl.exchange.transport_files import FileWeightClient
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
 
@@ -327,16 +328,15 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
         for key in compared:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
     # The checkpoint the 2 processes saved restores in this one process (8 devices): the very weights they
-    # gathered and published for the engine after the last step.
+    # wrote for the engine after the last step.
     restored = RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={two}"]), parity_tasks())
     try:
         assert restored.life.resumed_from == 3
         policy = nnx.state(restored.learner.policy())
         session = json.loads((two / "exchange" / "session.json").read_text())["session"]
-        weights_file = two / "exchange" / session / "weights" / "00000003.npz"
-        published, version = read_weights(weights_file, policy)
-        assert version == 3
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(policy)[0], jax.tree.leaves(published)):
+        published = FileWeightClient(two / "exchange" / session, policy)    # written shard by shard by both
+        assert published.versions()[-1] == 3
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(policy)[0], jax.tree.leaves(published.pull(3))):
             np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
     finally:
         restored.checkpoints.close()
@@ -345,5 +345,5 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     assert opened.description == f"training run {two}, step 3" and opened.tokenizer.vocab_size == 256
     sampled = nnx.state(opened.model)
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(sampled)[0],
-                            jax.tree.leaves(read_weights(weights_file, sampled)[0])):
+                            jax.tree.leaves(FileWeightClient(published.dir.parent, sampled).pull(3))):
         np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from composer_jax import cli
 from composer_jax.config import ConfigError, MeshConfig
 from composer_jax.cpu_devices import without_device_count
+from composer_jax.infer.generate import engine_grids
 from composer_jax.envs.monitor import Finding, Report
 from composer_jax.model import CausalLM
 from composer_jax.model_dirs import run_chat
@@ -31,7 +32,8 @@ from composer_jax.rl.exchange import directory, heartbeat
 from composer_jax.rl.exchange.directory import ExchangeError
 from composer_jax.rl.exchange.engine_end import EngineExchange
 from composer_jax.rl.exchange.learner_end import LearnerExchange
-from composer_jax.rl.exchange.npz import read_batch, read_weights, write_batch, write_weights
+from composer_jax.rl.exchange.npz import read_batch, write_batch
+from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
 from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
                                                        learner_shardings)
@@ -53,22 +55,36 @@ def _config(run_dir, *overrides):
     return load_rl_config("rl-tiny", [*TINY, f"run_dir={run_dir}", *REMOTE, *overrides])
 
 
-def test_weight_snapshot_round_trip(tmp_path):
-    """The tiny model's parameters, some in bfloat16 (stored as uint16), come back bit for bit in the
-    structure asked for; a parameter the file lacks is an error naming it."""
+def test_weight_version_round_trip(tmp_path):
+    """The tiny model's parameters on 8 devices (fsdp and ep), some in bfloat16, written as a version by
+    the learner's side and read by the engine's into a layout of its own (2 devices) and onto the host
+    layout: bit for bit in the structure asked for; old versions are pruned; a parameter the version lacks
+    is an error naming it."""
     cfg = _config(tmp_path)
-    state = nnx.state(CausalLM(cfg.model, rngs=nnx.Rngs(3)))
+    model = shard_model(CausalLM(cfg.model, rngs=nnx.Rngs(3)), DualMesh(MeshConfig(), model=cfg.model))
+    state = nnx.state(model)
     leaves, treedef = jax.tree.flatten(state)
     state = jax.tree.unflatten(treedef, [x.astype(jnp.bfloat16) if i % 3 == 0 else x for i, x in enumerate(leaves)])
-    write_weights(tmp_path / "w.npz", state, 7)
-    back, version = read_weights(tmp_path / "w.npz", state)
-    assert version == 7 and jax.tree.structure(back) == jax.tree.structure(state)
-    for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
-        assert got.dtype == want.dtype and np.array_equal(np.asarray(got).view(np.uint8),
-                                                          np.asarray(want).view(np.uint8))
-    write_weights(tmp_path / "part.npz", {"embed": np.zeros(3)}, 1)
+    server = FileWeightServer(tmp_path)
+    for version in range(5):
+        server.offer(state, version)
+    server.close()
+    client = FileWeightClient(tmp_path, state)
+    assert client.versions() == [2, 3, 4] and client.pull(1) is None
+    engine = shard_model(CausalLM(cfg.model, rngs=nnx.Rngs(0)), engine_grids(cfg.model, jax.devices()[:2]))
+    engine_like = jax.tree.unflatten(treedef, [x.astype(jnp.bfloat16) if i % 3 == 0 else x for i, x in
+                                               enumerate(jax.tree.leaves(nnx.state(engine)))])
+    for like in (engine_like, jax.tree.map(np.asarray, state)):
+        back = FileWeightClient(tmp_path, like).pull(4)
+        assert jax.tree.structure(back) == jax.tree.structure(state)
+        for want, got, where in zip(jax.tree.leaves(state), jax.tree.leaves(back), jax.tree.leaves(like)):
+            assert got.dtype == want.dtype and np.array_equal(np.asarray(got).view(np.uint8),
+                                                              np.asarray(want).view(np.uint8))
+            assert got.sharding == getattr(where, "sharding", got.sharding)
+    partial = FileWeightServer(tmp_path / "part")
+    partial.offer({"embed": np.zeros(3)}, 1)
     with pytest.raises(ExchangeError, match=r"no parameter '\w+"):
-        read_weights(tmp_path / "part.npz", state)
+        FileWeightClient(tmp_path / "part", state).pull(1)
 
 
 def _produced() -> ProducedBatch:
@@ -364,9 +380,9 @@ def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
     assert engine.returncode == 0, err[-3000:]
     assert stdout.strip() == "[0, 3]"
     for v in (0, 3):
-        pulled, version = read_weights(out / f"{v}.npz", state)
-        assert version == v
-        for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(versions[v])[0], jax.tree.leaves(pulled)):
+        with np.load(out / f"{v}.npz") as pulled:
+            pulled = [pulled[f"a{i}"] for i in range(len(pulled.files))]
+        for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(versions[v])[0], pulled):
             assert np.array_equal(np.asarray(want).view(np.uint8), np.asarray(got).view(np.uint8)), path
     assert sorted(learner.weights._held) == [2, 3] and next(learner.weights._ids) == 3    # 2 pulls scheduled
     assert not list((learner.dir / "pulls").iterdir())

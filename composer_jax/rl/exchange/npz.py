@@ -1,5 +1,5 @@
-"""The exchange's file format: arrays in an npz with one JSON member (`__meta__`) for the rest; nothing is
-pickled. Weight snapshots (parameter path -> array) and produced batches are written with it."""
+"""The exchange's batch files: arrays in an npz with one JSON member (`__meta__`) for the rest; nothing is
+pickled. (Weight versions are orbax checkpoints: `transport_files`.)"""
 
 from __future__ import annotations
 
@@ -8,17 +8,14 @@ import io
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.envs.monitor import Finding, Report
-from composer_jax.parallel.distributed import to_host
 from composer_jax.rl.batch import RolloutBatch
-from composer_jax.rl.exchange.directory import ExchangeError, atomic_write
+from composer_jax.rl.exchange.directory import atomic_write
 from composer_jax.rl.rollout import ProducedBatch
 from composer_jax.rl.sampler import Prompt
-from composer_jax.tree_paths import path_str
 
 META = "__meta__"
 
@@ -47,27 +44,6 @@ def unpack(path: Path) -> tuple[list[np.ndarray], dict]:
     for i, name in meta.pop("dtypes").items():
         arrays[int(i)] = arrays[int(i)].view(jnp.dtype(name))
     return arrays, meta
-
-
-def write_weights(path: Path, state, version: int) -> None:
-    """The parameters `state` (an nnx.State or any pytree of arrays) as a flat parameter path -> array file.
-    In a process group every process calls it (the arrays are gathered) and process 0 writes."""
-    flat = jax.tree_util.tree_flatten_with_path(to_host(state))[0]
-    if jax.process_index() == 0:
-        atomic_write(path, pack([np.asarray(x) for _, x in flat], {"version": version,
-                                                                     "paths": [path_str(p) for p, _ in flat]}))
-
-
-def read_weights(path: Path, like):
-    """(a pytree shaped like `like` holding the file's arrays, version): every parameter of `like` by its
-    path; shapes and dtypes are checked where the weights are installed (`Engine.place_weights`)."""
-    arrays, meta = unpack(path)
-    by_path = dict(zip(meta["paths"], arrays))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-    missing = [path_str(p) for p, _ in leaves if path_str(p) not in by_path]
-    if missing:
-        raise ExchangeError(f"{path}: no parameter '{missing[0]}' ({len(missing)} of the engine's model missing)")
-    return jax.tree_util.tree_unflatten(treedef, [by_path[path_str(p)] for p, _ in leaves]), meta["version"]
 
 
 def write_batch(path: Path, produced: ProducedBatch) -> None:
