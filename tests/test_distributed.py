@@ -347,3 +347,27 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(sampled)[0],
                             jax.tree.leaves(FileWeightClient(published.dir.parent, sampled).pull(3))):
         np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
+
+
+def test_a_weight_version_costs_each_learner_process_its_own_shards_not_the_model(tmp_path):
+    """2 processes x 4 devices publish a version of 64 MiB of parameters sharded over all 8 devices
+    (tests/transfer_memory_process.py): each process's resident memory grows by at most its own 32 MiB of
+    shards plus 16 MiB while it writes them, where gathering the model (what the file transport did before)
+    grows it by the model's 64 MiB; the version reads back whole."""
+    from composer_jax.rl.exchange.transport_files import FileWeightClient
+
+    port = _free_port()
+    procs = _launch(lambda i: [sys.executable, "-m", "tests.transfer_memory_process", str(i), str(port),
+                               str(tmp_path)])
+    results = _finish(procs, LAUNCH_TIMEOUT_S)
+    for i, (status, err) in enumerate(results):
+        assert status == 0, f"process {i}:\n{err[-3000:]}"
+    mib = 2 ** 20
+    for p in procs:
+        m = json.loads(p.stdout_text.strip().splitlines()[-1])
+        assert m["own_bytes"] == m["model_bytes"] // 2 == 32 * mib, m
+        assert m["gather_peak"] >= 0.9 * m["model_bytes"], m        # the sampler sees a whole-model copy
+        assert m["offer_peak"] <= m["own_bytes"] + 16 * mib, m
+    like = {f"layer{k}": np.zeros((1024, 2048), np.float32) for k in range(8)}
+    back = FileWeightClient(tmp_path, like).pull(1)
+    assert all(np.all(back[f"layer{k}"] == k) for k in range(8))
