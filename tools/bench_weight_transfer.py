@@ -1,6 +1,6 @@
 """The RL learner's weight versions to a rollout engine in another process, both ways side by side in one
-run: `rollout.weight_transfer=file` (an .npz snapshot in the exchange directory) against `device` (JAX's
-transfer server, rl/exchange/transport_device.py).
+run: `rollout.weight_transfer=file` (an orbax version in the exchange directory, written shard by shard)
+against `device` (JAX's transfer server, rl/exchange/transport_device.py).
 
     PYTHONPATH=$PWD python tools/bench_weight_transfer.py [--mb 256] [--versions 5] [--json PATH]
 
