@@ -3,6 +3,7 @@ checkpoint saved with `save_pretrained` (plus a byte-level tokenizer.json), load
 `from_pretrained`; greedy tokens equal transformers' own greedy `generate`, sampled tokens' log-probs
 equal its log-softmax over prompt + sample. Also the CLI's outputs and its one-line errors."""
 
+import copy
 import json
 import shutil
 
@@ -14,6 +15,7 @@ from tokenizers import Tokenizer
 
 from composer_jax import cli, from_pretrained, load_config
 from composer_jax import generate
+from composer_jax.checkpoint.quant import dequant_int4, quantize_int4
 from tests.hf_reference import save_random_hf_model
 from tests.sampling_reference import sampling_probs
 
@@ -56,6 +58,31 @@ def test_greedy_generation_equals_transformers(checkpoint):
         reference = out[0, len(prompt):].tolist()
         assert tokens == reference
         assert reason == ("stop" if reference[-1] == 1 else "length")
+
+
+def test_int4_experts_decode_as_transformers_does_on_their_dequantized_weights(checkpoint):
+    """`model.moe.expert_quant=int4` on the float checkpoint against transformers with every routed expert
+    replaced by its K2.5 INT4 round trip (quantize_int4, then the reader's dequant_int4, per [out, in]
+    matrix): the same logits (where the float experts' differ) and the same greedy tokens."""
+    path, hf_model, _ = checkpoint
+    model = from_pretrained(path, ["moe.expert_quant=int4"])
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if ".mlp.experts." in name:        # fused [experts, out, in]
+                w = param.float().numpy()
+                param.copy_(torch.from_numpy(np.stack([dequant_int4(*quantize_int4(m, 32), m.shape[1], 32) for m in w])))
+    tokens = torch.tensor([_prompts()[-1]])
+    with torch.no_grad():
+        want, float_logits = reference(tokens).logits[0].numpy(), hf_model(tokens).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(model(tokens.numpy()))[0], want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(float_logits, want, rtol=1e-4, atol=1e-4)
+    ours = generate(model, _prompts(), max_new_tokens=NEW_TOKENS, temperature=0.0)
+    for prompt, got in zip(_prompts(), ours.tokens):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert got == out[0, len(prompt):].tolist()
 
 
 def test_sampled_logprobs_equal_transformers_log_softmax(checkpoint):
