@@ -183,7 +183,8 @@ class ModelConfig:
                f"must be in [0, num_layers={self.num_layers}], got {self.num_dense_layers}")
         _check(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         if self.moe.expert_quant == "int4":   # groups along each expert matrix's inputs
-            for key, width in (("hidden_size", self.hidden_size), ("moe.moe_intermediate_size", self.moe.moe_intermediate_size)):
+            for key, width in (("hidden_size", self.hidden_size),
+                               ("moe.moe_intermediate_size", self.moe.moe_intermediate_size)):
                 _check(width % INT4_GROUP == 0, key, f"moe.expert_quant=int4 quantizes groups of {INT4_GROUP} inputs: "
                                                     f"needs a multiple of {INT4_GROUP}, got {width}")
 
@@ -234,8 +235,8 @@ def check_fits_model(key: str, length: int, model: ModelConfig) -> None:
 # Model keys a run may set differently from the source it starts from (`train.init_from`, RL's
 # `init_from`): how the model runs, or what a phase changes on purpose (RoPE scaling extends the context;
 # MTP depths the source lacks are initialised fresh). Every other key is the source's architecture.
-RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "moe.expert_quant", "attention", "dtype", "param_dtype",
-                "mtp.num_layers", "mtp.loss_weight", "rope.")
+RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "moe.expert_quant", "attention", "dtype",
+                "param_dtype", "mtp.num_layers", "mtp.loss_weight", "rope.")
 
 
 def flat_dict(data: dict, prefix: str = "") -> dict:

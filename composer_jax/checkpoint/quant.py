@@ -95,7 +95,7 @@ def dequant_int4(packed: np.ndarray, scale: np.ndarray, in_features: int, group:
     return _scale_columns(w, scale, group)
 
 
-def int4_scales(w: np.ndarray, group: int) -> np.ndarray:
+def _int4_scales(w: np.ndarray, group: int) -> np.ndarray:
     """float32 [rows, in] -> bfloat16 [rows, ceil(in/group)]: max |w| of each group of `group` inputs / 7.5,
     at least float32's eps, rounded to bfloat16 as K2.5's `weight_scale` is stored."""
     rows, n = w.shape
@@ -111,7 +111,7 @@ def quantize_int4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     inputs 8j..8j+7 in int32 column j, low nibble first."""
     w = np.asarray(w, np.float32)
     rows, n = w.shape
-    scale = int4_scales(w, group)
+    scale = _int4_scales(w, group)
     per_input = np.repeat(scale.astype(np.float32), group, axis=1)[:, :n]
     q = np.clip(np.rint(w / per_input), -8, 7).astype(np.int64) + 8
     nibbles = np.zeros((rows, -(-n // 8) * 8), np.int64)
