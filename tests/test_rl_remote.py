@@ -32,7 +32,7 @@ from composer_jax.rl.exchange import directory, heartbeat
 from composer_jax.rl.exchange.directory import ExchangeError
 from composer_jax.rl.exchange.engine_end import EngineExchange
 from composer_jax.rl.exchange.learner_end import LearnerExchange
-from composer_jax.rl.exchange.npz import read_batch, write_batch
+from composer_jax.rl.exchange.npz import read_batch, unpack, write_batch
 from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
 from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
@@ -380,8 +380,8 @@ def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
     assert engine.returncode == 0, err[-3000:]
     assert stdout.strip() == "[0, 3]"
     for v in (0, 3):
-        with np.load(out / f"{v}.npz") as pulled:
-            pulled = [pulled[f"a{i}"] for i in range(len(pulled.files))]
+        pulled, meta = unpack(out / f"{v}.npz")
+        assert meta["version"] == v
         for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(versions[v])[0], pulled):
             assert np.array_equal(np.asarray(want).view(np.uint8), np.asarray(got).view(np.uint8)), path
     assert sorted(learner.weights._held) == [2, 3] and next(learner.weights._ids) == 3    # 2 pulls scheduled

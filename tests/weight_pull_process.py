@@ -1,7 +1,7 @@
 """The engine side of tests/test_rl_remote.py's device-to-device weight test: the rl-tiny model laid out on
 this process's devices pulls the learner's versions through `EngineExchange` (weight_transfer=device):
 version >= 0 at once, version >= 1 once OUT/go exists; each pulled version's arrays are written to
-OUT/<version>.npz (a0, a1, ... in leaf order, bfloat16 as uint16), after checking that they have the engine's
+OUT/<version>.npz in leaf order (the exchange's `npz.pack`), after checking that they have the engine's
 shardings.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.weight_pull_process ROOT OUT key=value ...
@@ -13,13 +13,15 @@ from pathlib import Path
 
 if __name__ == "__main__":
     import jax
+    import numpy as np
     from flax import nnx
 
     from composer_jax.infer.generate import engine_grids
     from composer_jax.model import CausalLM
     from composer_jax.parallel import shard_model
+    from composer_jax.rl.exchange.directory import atomic_write
     from composer_jax.rl.exchange.engine_end import EngineExchange
-    import numpy as np
+    from composer_jax.rl.exchange.npz import pack
     from composer_jax.rl.run_config import load_rl_config
 
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -34,6 +36,5 @@ if __name__ == "__main__":
         weights, version = exchange.wait_weights(min_version)
         for want, got in zip(jax.tree.leaves(like), jax.tree.leaves(weights)):
             assert got.sharding == want.sharding, (got.sharding, want.sharding)
-        np.savez(out / f"{version}.npz", **{f"a{i}": np.asarray(x).view(f"u{x.dtype.itemsize}") if x.dtype.kind == "V"
-                                            else np.asarray(x) for i, x in enumerate(jax.tree.leaves(weights))})
+        atomic_write(out / f"{version}.npz", pack([np.asarray(x) for x in jax.tree.leaves(weights)], {"version": version}))
     print(exchange.versions, flush=True)

@@ -52,11 +52,11 @@ def policy_engine(cfg: RLRunConfig, tokenizer, learner, engine_devices: list | N
     """An in-process engine over the learner's policy: on the learner's devices, or on its own (a fresh
     model placed there; also on the learner's devices when it runs another model, `cfg.engine_model`: INT4
     experts); it starts with a copy of the learner's current weights and version."""
-    source = learner.policy()
-    if engine_devices is not None or cfg.engine_model != cfg.model:   # its weights come from the learner below
+    source, model = learner.policy(), cfg.engine_model
+    if engine_devices is not None or model != cfg.model:   # its weights come from the learner below
         devices = engine_devices if engine_devices is not None else list(learner.dual.dense.devices.flat)
-        source = CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed))
-        shard_model(source, engine_grids(cfg.engine_model, devices))
+        source = CausalLM(model, rngs=nnx.Rngs(cfg.seed))
+        shard_model(source, engine_grids(model, devices))
     agent = engine_agent(cfg, tokenizer, source)
     # A copy of the learner's current weights (restored, or the source's): its arrays are donated by the steps.
     agent.update_weights(agent.engine.place_weights(learner.policy()), learner.version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -42,9 +43,13 @@ def numbered_file(directory: Path, n: int, suffix: str = ".npz") -> Path:
 
 
 def prune(directory: Path, keep: int, suffix: str = ".npz") -> None:
-    """Remove all but the newest `keep` numbered files."""
+    """Remove all but the newest `keep` numbered files (or directories: a weight version)."""
     for old in numbered(directory, suffix)[:-keep]:
-        numbered_file(directory, old, suffix).unlink(missing_ok=True)
+        path = numbered_file(directory, old, suffix)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def read_session(root: Path) -> dict | None:

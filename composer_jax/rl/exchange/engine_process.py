@@ -88,7 +88,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
     setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
     cfg = setup.cfg
     model = CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
-    shard_model(model, engine_grids(cfg.engine_model, jax.devices()))
+    shard_model(model, engine_grids(model.cfg, jax.devices()))
     agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
     exchange = None

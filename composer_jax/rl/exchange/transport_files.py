@@ -8,14 +8,13 @@ transport: the learner `offer`s a version, the engine lists `versions()` and `pu
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import SingleDeviceSharding
 
-from composer_jax.rl.exchange.directory import ExchangeError, numbered, numbered_file
+from composer_jax.rl.exchange.directory import ExchangeError, numbered, numbered_file, prune
 from composer_jax.tree_paths import path_str
 
 KEEP_VERSIONS = 3           # weight versions kept in the directory (an engine may still be reading an older one)
@@ -41,8 +40,7 @@ class FileWeightServer:
         self._checkpointer.save(numbered_file(self.dir, version, SUFFIX).absolute(), dict(zip(names, leaves)))
         self._checkpointer.wait_until_finished()
         if jax.process_index() == 0:
-            for old in numbered(self.dir, SUFFIX)[:-KEEP_VERSIONS]:
-                shutil.rmtree(numbered_file(self.dir, old, SUFFIX), ignore_errors=True)
+            prune(self.dir, KEEP_VERSIONS, SUFFIX)
 
     def close(self) -> None:
         self._checkpointer.close()
