@@ -97,8 +97,10 @@ def test_default_memory_limit_is_4gib_on_the_cgroup(sandbox, workspace):
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not found:
             for path in (cgroup_lib.ROOT / "memory").glob(f"{cgroup_lib.PREFIX}{os.getpid()}-*"):
-                found["limit"] = int((path / "memory.limit_in_bytes").read_text())
-                found["pids"] = int((cgroup_lib.ROOT / "pids" / path.name / "pids.max").read_text())
+                # The limits are written before the launcher joins, so a member means they are set.
+                if (path / "cgroup.procs").read_text().strip():
+                    found["limit"] = int((path / "memory.limit_in_bytes").read_text())
+                    found["pids"] = int((cgroup_lib.ROOT / "pids" / path.name / "pids.max").read_text())
             time.sleep(0.02)
 
     results = run_parallel(lambda f: f(), [watch, lambda: sandbox.run("sleep 1", workspace)], workers=2)
