@@ -39,7 +39,9 @@ from composer_jax.infer.cache import cache_shapes, drafting_depths
 from composer_jax.infer.programs import Slots
 from composer_jax.infer.sampling import SamplingParams, SlotSampling
 from composer_jax.model.decoder import unstack_layers
-from composer_jax.parallel import shard_model
+from composer_jax.model.moe import routed_expert_paths
+from composer_jax.model.quant import quantize_int4_matrix
+from composer_jax.parallel import leafwise, shard_model
 from composer_jax.parallel.partitioning import inference_batch_sharding
 from composer_jax.tree_paths import path_str
 
@@ -108,6 +110,30 @@ class _Slot:
     phase: str = "prefill"      # prefill -> decode -> kept (or freed)
 
 
+def _quantize(w: jax.Array):
+    """An expert stack -> its Int4Matrix, computed where `w` lives (its own mesh: the expert grid's)."""
+    with leafwise.on_mesh(leafwise.mesh_of(w)):
+        return _quantize_jit(w)
+
+
+_quantize_jit = jax.jit(quantize_int4_matrix)
+
+
+def _check_like(state, like) -> None:
+    """GenerationError unless `state` has the structure, shapes and dtypes of `like`."""
+    have = jax.tree_util.tree_flatten_with_path(like)[0]
+    got, treedef = jax.tree_util.tree_flatten_with_path(state)
+    name = lambda path: path_str([k for k in path if getattr(k, "name", None) != "value"])  # noqa: E731 (no Variable field)
+    if treedef != jax.tree.structure(like):
+        missing = {name(p) for p, _ in have} - {name(p) for p, _ in got}
+        raise GenerationError("update_weights: the weights' structure differs from the engine's model"
+                              + (f" (no '{sorted(missing)[0]}')" if missing else ""))
+    for (path, old), (_, new) in zip(have, got):
+        if (tuple(new.shape), np.dtype(new.dtype)) != (tuple(old.shape), np.dtype(old.dtype)):
+            raise GenerationError(f"update_weights: '{name(path)}' is {np.dtype(new.dtype)}{list(new.shape)}, "
+                                  f"the engine's is {np.dtype(old.dtype)}{list(old.shape)}")
+
+
 class Engine:
     """See the module docstring. `model`: a CausalLM (its `mesh` decides the layout); `eos_ids`: the
     default stop tokens; `detokenize`: ids -> text, needed for stop strings."""
@@ -136,7 +162,10 @@ class Engine:
         self.eos_ids = self._check_ids(tuple(eos_ids), "eos_ids")
         self.dual = None if model.mesh is None else model.mesh if model.mesh.inference else model.mesh.for_inference()
         self.programs = programs.for_platform(jax.default_backend())
-        self.graphdef, self.state = self._place(model)
+        self.graphdef, state = self._place(model)
+        # The layout weight versions arrive in (the model's, float experts), placed as this engine keeps it.
+        self.weights_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        self.state = self._stored(nnx.to_flat_state(state))
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._program_state = self._for_programs(self.state)
         shapes = cache_shapes(cfg, max_slots, max_len, self.draft_tokens)
@@ -157,11 +186,17 @@ class Engine:
     # placement
 
     def _place(self, model):
-        graphdef, state = nnx.split(model)
-        if self.dual is None:
-            return graphdef, state
-        twin = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)  # the caller's model is untouched
-        return nnx.split(twin)
+        if self.dual is not None:   # a placed twin: the caller's model is untouched
+            model = shard_model(nnx.merge(*nnx.split(model), copy=True), self.dual)
+        self._int4 = routed_expert_paths(model) if model.cfg.moe.expert_quant == "int4" else frozenset()
+        return nnx.split(model)
+
+    def _stored(self, flat) -> nnx.State:
+        """Parameters in the model's layout, on the engine's devices (flat: (path, Variable) pairs) -> the
+        state the engine holds: for an INT4 policy (`model.moe.expert_quant=int4`) the routed expert
+        stacks as INT4 (`quant.Int4Matrix`, K2.5's quantizer), each float stack dropped once quantized."""
+        return nnx.from_flat_state([(path, var.replace(_quantize(var.get_value())) if path in self._int4 else var)
+                                    for path, var in flat])
 
     def _for_programs(self, state):
         """The parameters the programs take: on one CPU device the layer stacks split into per-layer
@@ -261,20 +296,18 @@ class Engine:
         self.version = version
 
     def place_weights(self, weights) -> nnx.State:
-        """`weights` (a CausalLM or its nnx.State, same structure, shapes and dtypes) copied device to
-        device into the engine's layout, without installing them: a learner takes this snapshot before
-        its next step donates the arrays. Thread-safe (it touches no engine state)."""
+        """`weights` (a CausalLM or its nnx.State, same structure, shapes and dtypes as the model's, or a
+        state this method returned) copied device to device into the engine's layout, without installing
+        them: a learner takes this snapshot before its next step donates the arrays. An INT4 policy's
+        experts are quantized on the way, one stack at a time. Thread-safe (it touches no engine state)."""
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
-        have = jax.tree_util.tree_flatten_with_path(self.state)[0]
-        got, treedef = jax.tree_util.tree_flatten_with_path(state)
-        if treedef != jax.tree.structure(self.state):
-            missing = {path_str(p) for p, _ in have} - {path_str(p) for p, _ in got}
-            raise GenerationError("update_weights: the weights' structure differs from the engine's model"
-                                  + (f" (no '{sorted(missing)[0]}')" if missing else ""))
-        for (path, old), (_, new) in zip(have, got):
-            if (tuple(new.shape), np.dtype(new.dtype)) != (tuple(old.shape), np.dtype(old.dtype)):
-                raise GenerationError(f"update_weights: '{path_str(path)}' is {np.dtype(new.dtype)}{list(new.shape)}, "
-                                      f"the engine's is {np.dtype(old.dtype)}{list(old.shape)}")
+        if self._int4 and jax.tree.structure(state) != jax.tree.structure(self.state):   # the model's layout
+            _check_like(state, self.weights_like)
+            return self._stored((path, var.replace(jax.device_put(var.get_value(), like.get_value().sharding,
+                                                                  may_alias=False)))
+                                for (path, var), (_, like) in zip(nnx.to_flat_state(state),
+                                                                  nnx.to_flat_state(self.weights_like)))
+        _check_like(state, self.state)
         return jax.device_put(state, self._shardings, may_alias=False)   # a copy even where the layouts agree
 
     # ------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
 from composer_jax.model.dispatch import split_pays
 from composer_jax.model.layers import MLP, RMSNorm, stack_axes
-from composer_jax.model.moe import MoE
+from composer_jax.model.moe import ROUTED_EXPERTS, MoE
+from composer_jax.model.quant import entries, leading
 
 # train.remat / rl.remat -> the jax.checkpoint policy of each layer: what its backward pass keeps besides
 # the layer's input ('dots': the outputs of matmuls without batch dimensions, i.e. the weight
@@ -69,16 +70,13 @@ def create_stack(make, num: int, rngs: nnx.Rngs) -> nnx.Module:
 STACKS = ("dense_layers", "moe_layers")   # the model's scanned layer stacks
 
 
-ROUTED_EXPERTS = ("gate_proj", "up_proj", "down_proj")   # a MoE layer's stacked routed-expert weights
-
-
-def _unstacked(path, value: jax.Array):
-    """Per-layer arrays of a stacked parameter; routed experts also per expert where that pays
-    (`dispatch.split_pays`; see `unstack_layers`)."""
+def _unstacked(path, value):
+    """Per-layer arrays (or Int4Matrix) of a stacked parameter; routed experts also per expert where that
+    pays (`dispatch.split_pays`; see `unstack_layers`)."""
     routed = len(path) == 3 and tuple(path[:2]) == ("moe_layers", "mlp") and path[2] in ROUTED_EXPERTS
-    if routed and split_pays(value[0, 0].nbytes):
-        return tuple(tuple(layer) for layer in value)
-    return tuple(value)
+    if routed and split_pays(leading(leading(value, 0), 0).nbytes):
+        return tuple(entries(layer) for layer in entries(value))
+    return entries(value)
 
 
 def unstack_layers(state: nnx.State) -> nnx.State:

@@ -34,8 +34,12 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from composer_jax.model.quant import dense_matrix, leading
+
 
 class ExpertWeights(NamedTuple):
+    """Arrays, or `quant.Int4Matrix`es dequantized where a matmul reads them: `gather` and `blocked`
+    dequantize only the experts they apply, the others the whole stack."""
     gate: jax.Array  # [experts, embed, moe_mlp]
     up: jax.Array    # [experts, embed, moe_mlp]
     down: jax.Array  # [experts, moe_mlp, embed]
@@ -66,8 +70,10 @@ def split_pays(expert_bytes: int) -> bool:
 
 
 def stacked(w: ExpertWeights) -> ExpertWeights:
-    """`w` with stacked arrays (per-expert ones are stacked: a copy)."""
-    return ExpertWeights(*(jnp.stack(m) for m in w)) if per_expert(w) else w
+    """`w` as stacked arrays (per-expert ones are stacked: a copy; INT4 ones dequantized)."""
+    if per_expert(w):
+        w = ExpertWeights(*(jax.tree.map(lambda *a: jnp.stack(a), *m) for m in w))
+    return ExpertWeights(*map(dense_matrix, w))
 
 
 def apply_expert(w: ExpertWeights, expert: jax.Array, fn: Callable, *args) -> jax.Array:
@@ -75,10 +81,11 @@ def apply_expert(w: ExpertWeights, expert: jax.Array, fn: Callable, *args) -> ja
     stacked arrays, or the per-expert arrays chosen by a switch (read without a copy on CPU)."""
     if per_expert(w):
         return jax.lax.switch(expert, [functools.partial(fn, *m) for m in zip(*w)], *args)
-    return fn(*(jax.lax.dynamic_index_in_dim(m, expert, keepdims=False) for m in w), *args)
+    return fn(*(leading(m, expert) for m in w), *args)
 
 
 def _swiglu(gate, up, down, x):
+    gate, up, down = map(dense_matrix, (gate, up, down))
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
@@ -88,6 +95,7 @@ def dense(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights, ba
     if per_expert(w):     # each expert's matmuls on its own array, in turn
         outs = [_swiglu(*m, x).astype(jnp.float32) for m in zip(*w)]
         return sum(combine[:, e, None] * out for e, out in enumerate(outs)).astype(x.dtype)
+    w = stacked(w)
     if batched:     # the tokens broadcast over the experts: a batched matmul over the weights as stored
         xe = jnp.broadcast_to(x, (num_experts, *x.shape))
         h = jax.nn.silu(jnp.einsum("etd,edf->etf", xe, w.gate)) * jnp.einsum("etd,edf->etf", xe, w.up)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,7 +13,7 @@ from composer_jax.config import ModelConfig
 from composer_jax.model import dispatch
 from composer_jax.model.expert_parallel import sharded_dispatch
 from composer_jax.model.layers import MLP, param
-from composer_jax.model.quant import fake_quant_int4
+from composer_jax.model.quant import Int4Matrix, fake_quant_int4
 from composer_jax.model.router import Router, expert_load
 from composer_jax.parallel.partitioning import flatten_tokens, spread_tokens, unflatten_tokens, unspread_tokens
 
@@ -47,8 +49,11 @@ class MoE(nnx.Module):
         self.shared = (MLP(cfg, f * moe.n_shared_experts, rngs=rngs, mlp_axis="moe_mlp")
                        if moe.n_shared_experts else None)
 
-    def _compute(self, matrix: jax.Array) -> jax.Array:
-        """An expert matrix (or stack) in the compute dtype, through the INT4 quantizer first with `int4`."""
+    def _compute(self, matrix):
+        """An expert matrix (or stack) in the compute dtype, through the INT4 quantizer first with `int4`;
+        an INT4 engine's Int4Matrix is dequantized where the dispatch reads it."""
+        if isinstance(matrix, Int4Matrix):
+            return dataclasses.replace(matrix, dtype=self.dtype.name)
         return (fake_quant_int4(matrix) if self.int4 else matrix).astype(self.dtype)
 
     def _local(self, var: nnx.Param):
@@ -80,8 +85,8 @@ class MoE(nnx.Module):
             weights, idx = self.router(tokens)
             if dual.inference:
                 tokens, weights, idx = (spread_tokens(a, dual) for a in (tokens, weights, idx))
-            with dual.expert_scope():
-                w = dispatch.ExpertWeights(*(self._compute(e[...]) for e in experts))
+            with dual.expert_scope():   # INT4 experts: the layer's whole stack dequantized (the dispatch shards it)
+                w = dispatch.stacked(dispatch.ExpertWeights(*(self._compute(e.get_value()) for e in experts)))
             factor = 0.0 if dual.inference else self.capacity_factor  # decoding never drops
             y, load, dropped = sharded_dispatch(self.dispatch, dual, tokens, weights, idx, w, factor)
             y = (jnp.reshape(unspread_tokens(y, b * s, P(batch, None)), (b, s, d), out_sharding=P(batch, None, None))
@@ -90,3 +95,14 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y, stats
+
+
+ROUTED_EXPERTS = ("gate_proj", "up_proj", "down_proj")   # a MoE layer's stacked routed-expert weights
+
+
+def routed_expert_paths(model: nnx.Module) -> frozenset[tuple]:
+    """The state paths of the routed expert stacks of every MoE layer in `model` (the main stack's and
+    the MTP depths')."""
+    return frozenset(tuple(path) + (name,) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)
+                     for name in ROUTED_EXPERTS)
+
