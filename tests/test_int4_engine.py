@@ -6,8 +6,11 @@ decodes what the plain engine decodes on the experts' checkpoint round trip (the
 device (experts stacked, or per-expert arrays) and on the dual grid. transformers' greedy decoding of
 the dequantized checkpoint is checked in tests/test_generate_hf.py."""
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -16,12 +19,16 @@ from composer_jax.checkpoint.quant import quantize_int4
 from composer_jax.config import MeshConfig
 from composer_jax.infer import Engine, SamplingParams
 from composer_jax.infer.engine import GenerationError
+from composer_jax.infer.generate import engine_grids
 from composer_jax.model import dispatch
 from composer_jax.model.moe import routed_expert_paths
 from composer_jax.model.quant import Int4Matrix
-from composer_jax.parallel import DualMesh
+from composer_jax.parallel import DualMesh, shard_model
+from composer_jax.rl.engines import offered_weights
+from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from tests.random_models import random_model
 from tests.test_qat import GROUP, _int4_roundtrip, _replace_experts
+from tests.test_rl_remote import _config as _remote_config
 
 SHAPES = dict(max_len=64, chunk_sizes=(8, 32), steps_per_call=4)
 
@@ -89,7 +96,7 @@ def test_int4_engine_holds_the_reference_quantizers_output_and_decodes_the_int4_
     update = random_model(cfg, 4, mesh=dual)
     engine.update_weights(engine.place_weights(nnx.state(update)), version=1)
     _assert_holds_int4_of(engine, update)
-    assert jax.tree.structure(engine.weights_like) == jax.tree.structure(nnx.state(update))
+    assert jax.tree.structure(engine._model_like) == jax.tree.structure(nnx.state(update))
 
 
 def test_int4_engine_names_the_parameter_a_version_gets_wrong():
@@ -98,3 +105,24 @@ def test_int4_engine_names_the_parameter_a_version_gets_wrong():
     wrong = load_config("tiny", ["moe.expert_quant=int4", "moe.moe_intermediate_size=64"])
     with pytest.raises(GenerationError, match="'moe_layers/mlp/down_proj' is float32\\[3, 16, 64, 64\\]"):
         engine.place_weights(nnx.state(random_model(wrong, 3)))
+
+
+def test_an_int4_version_moves_through_the_exchange_as_int4(tmp_path):
+    """rollout.weights=int4 with engine processes: the learner (8 devices, fsdp and ep) quantizes the routed
+    experts on its own shards (`offered_weights`) and writes the version; an engine process's INT4 engine
+    (2 devices, a layout of its own) reads it into the words and scales it holds: the reference quantizer's
+    output of the learner's float weights, bit for bit; the version's files hold no float expert."""
+    cfg = _remote_config(tmp_path, "rollout.weights=int4")
+    learner = shard_model(random_model(cfg.model, 3), DualMesh(MeshConfig(), model=cfg.model))
+    server = FileWeightServer(tmp_path)
+    server.offer(offered_weights(cfg, SimpleNamespace(policy=lambda: learner)), 0)
+    server.close()
+    model = cfg.engine_model
+    engine = Engine(shard_model(random_model(model, 0), engine_grids(model, jax.devices()[:2])), max_slots=2, **SHAPES)
+    engine.update_weights(FileWeightClient(tmp_path, engine.state).pull(0), version=1)
+    _assert_holds_int4_of(engine, learner)
+    version, = (tmp_path / "weights").glob("*.weights")
+    stored = ocp.StandardCheckpointer().metadata(version.absolute()).item_metadata
+    for path in routed_expert_paths(learner):
+        name = ".".join(path) + ".value"
+        assert name not in stored and {f"{name}.packed", f"{name}.scale"} <= set(stored), name

@@ -40,8 +40,8 @@ from composer_jax.infer.programs import Slots
 from composer_jax.infer.sampling import SamplingParams, SlotSampling
 from composer_jax.model.decoder import unstack_layers
 from composer_jax.model.moe import routed_expert_paths
-from composer_jax.model.quant import quantize_int4_matrix
-from composer_jax.parallel import leafwise, shard_model
+from composer_jax.model.quant import quantize_experts
+from composer_jax.parallel import shard_model
 from composer_jax.parallel.partitioning import inference_batch_sharding
 from composer_jax.tree_paths import path_str
 
@@ -110,15 +110,6 @@ class _Slot:
     phase: str = "prefill"      # prefill -> decode -> kept (or freed)
 
 
-def _quantize(w: jax.Array):
-    """An expert stack -> its Int4Matrix, computed where `w` lives (its own mesh: the expert grid's)."""
-    with leafwise.on_mesh(leafwise.mesh_of(w)):
-        return _quantize_jit(w)
-
-
-_quantize_jit = jax.jit(quantize_int4_matrix)
-
-
 def _check_like(state, like) -> None:
     """GenerationError unless `state` has the structure, shapes and dtypes of `like`."""
     have = jax.tree_util.tree_flatten_with_path(like)[0]
@@ -164,7 +155,7 @@ class Engine:
         self.programs = programs.for_platform(jax.default_backend())
         self.graphdef, state = self._place(model)
         # The layout weight versions arrive in (the model's, float experts), placed as this engine keeps it.
-        self.weights_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        self._model_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         self.state = self._stored(nnx.to_flat_state(state))
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
         self._program_state = self._for_programs(self.state)
@@ -195,8 +186,7 @@ class Engine:
         """Parameters in the model's layout, on the engine's devices (flat: (path, Variable) pairs) -> the
         state the engine holds: for an INT4 policy (`model.moe.expert_quant=int4`) the routed expert
         stacks as INT4 (`quant.Int4Matrix`, K2.5's quantizer), each float stack dropped once quantized."""
-        return nnx.from_flat_state([(path, var.replace(_quantize(var.get_value())) if path in self._int4 else var)
-                                    for path, var in flat])
+        return quantize_experts(flat, self._int4)
 
     def _for_programs(self, state):
         """The parameters the programs take: on one CPU device the layer stacks split into per-layer
@@ -302,11 +292,11 @@ class Engine:
         experts are quantized on the way, one stack at a time. Thread-safe (it touches no engine state)."""
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
         if self._int4 and jax.tree.structure(state) != jax.tree.structure(self.state):   # the model's layout
-            _check_like(state, self.weights_like)
+            _check_like(state, self._model_like)
             return self._stored((path, var.replace(jax.device_put(var.get_value(), like.get_value().sharding,
                                                                   may_alias=False)))
                                 for (path, var), (_, like) in zip(nnx.to_flat_state(state),
-                                                                  nnx.to_flat_state(self.weights_like)))
+                                                                  nnx.to_flat_state(self._model_like)))
         _check_like(state, self.state)
         return jax.device_put(state, self._shardings, may_alias=False)   # a copy even where the layouts agree
 

@@ -23,9 +23,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import INT4_GROUP, INT4_MAX_ABS
+from composer_jax.parallel import leafwise
 
 NIBBLES = 8    # 4-bit values per int32 word, along the inputs, low nibble first
 
@@ -123,6 +125,22 @@ def quantize_int4_matrix(w: jax.Array, group: int = INT4_GROUP) -> Int4Matrix:
                          out_sharding=_merged_sharding(words, axis, 2))
     dtype = np.dtype(w.dtype).name
     return Int4Matrix(packed, jnp.squeeze(scale, axis + 1).astype(jnp.bfloat16), dtype, dtype)
+
+
+_quantize_jit = jax.jit(quantize_int4_matrix)
+
+
+def quantize_experts(pairs, paths: frozenset) -> nnx.State:
+    """Parameters as (path, Variable) pairs (`nnx.to_flat_state`; a generator is consumed one pair at a
+    time) -> an nnx.State with the expert stacks at `paths` (`moe.routed_expert_paths`) as Int4Matrix,
+    each quantized where it lives (on its own mesh) and one after another."""
+
+    def quantized(w):
+        with leafwise.on_mesh(leafwise.mesh_of(w)):
+            return _quantize_jit(w)
+
+    return nnx.from_flat_state([(path, var.replace(quantized(var.get_value())) if path in paths else var)
+                                for path, var in pairs])
 
 
 def dequantize(m: Int4Matrix) -> jax.Array:

@@ -18,6 +18,8 @@ from composer_jax.agents.engine_agent import EngineAgent
 from composer_jax.config import ConfigError
 from composer_jax.infer.generate import engine_grids
 from composer_jax.model import CausalLM
+from composer_jax.model.moe import routed_expert_paths
+from composer_jax.model.quant import quantize_experts
 from composer_jax.parallel import shard_model
 from composer_jax.parallel.distributed import process_major_devices
 from composer_jax.rl.exchange.learner_end import LearnerExchange
@@ -63,6 +65,16 @@ def policy_engine(cfg: RLRunConfig, tokenizer, learner, engine_devices: list | N
     return agent
 
 
+def offered_weights(cfg: RLRunConfig, learner) -> nnx.State:
+    """The learner's weights as engine processes take them: for INT4 engines (`cfg.engine_model`) the routed
+    experts quantized here, on the learner's own shards, so a version moves and lands as INT4 (4.5 bits a
+    routed weight), not as the float weights an engine would quantize after holding them all."""
+    policy = learner.policy()
+    if cfg.engine_model.moe.expert_quant != "int4":
+        return nnx.state(policy)
+    return quantize_experts(nnx.to_flat_state(nnx.state(policy)), routed_expert_paths(policy))
+
+
 class Rollouts:
     """Where the run's batches come from, and the sampling state of each engine. `saved`: a checkpoint's
     data (None: every engine samples from the start). With the directory transport the engines run
@@ -95,7 +107,7 @@ class Rollouts:
                                           workspace=self.tasks.workspace, pool=self.pool)
         self.source.start()
         if self.remote:
-            self.source.publish(nnx.state(learner.policy()), version)
+            self.source.publish(offered_weights(self.cfg, learner), version)
 
     def next_batch(self) -> ProducedBatch:
         """The next batch, its engine's sampling state kept (a checkpoint resumes each engine from there)."""
@@ -107,7 +119,7 @@ class Rollouts:
     def publish(self, learner, version: int) -> None:
         """The learner's weights of `version`: a copy, before the next step donates the arrays (on the host
         for the exchange, in the engine's layout for the producer)."""
-        self.source.publish(nnx.state(learner.policy()) if self.remote else
+        self.source.publish(offered_weights(self.cfg, learner) if self.remote else
                             jax.block_until_ready(self.agent.engine.place_weights(learner.policy())), version)
 
     def checkpoint_data(self) -> dict:

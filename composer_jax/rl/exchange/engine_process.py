@@ -96,7 +96,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
         session = EngineExchange.wait_session(root, timeout)
         tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
         while True:
-            exchange = EngineExchange(root, session, agent.engine.weights_like, timeout, cfg.rollout.weight_transfer)
+            exchange = EngineExchange(root, session, agent.engine.state, timeout, cfg.rollout.weight_transfer)
             of = f"engine {engine} of {cfg.rollout.engines}: " if cfg.rollout.engines > 1 else ""
             log(f"rl-engine: {of}session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")
