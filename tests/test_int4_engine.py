@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from composer_jax import load_config
+from composer_jax import CausalLM, load_config
 from composer_jax.checkpoint.quant import quantize_int4
 from composer_jax.config import MeshConfig
 from composer_jax.infer import Engine, SamplingParams
@@ -23,7 +23,7 @@ from composer_jax.infer.generate import engine_grids
 from composer_jax.model import dispatch
 from composer_jax.model.moe import routed_expert_paths
 from composer_jax.model.quant import Int4Matrix
-from composer_jax.parallel import DualMesh, shard_model
+from composer_jax.parallel import DualMesh, record_layout, shard_model
 from composer_jax.rl.engines import offered_weights
 from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from tests.random_models import random_model
@@ -126,3 +126,29 @@ def test_an_int4_version_moves_through_the_exchange_as_int4(tmp_path):
     for path in routed_expert_paths(learner):
         name = ".".join(path) + ".value"
         assert name not in stored and {f"{name}.packed", f"{name}.scale"} <= set(stored), name
+
+
+def test_an_engine_over_an_abstract_model_holds_nothing_until_a_version_arrives():
+    """What `composer-jax rl-engine` builds: an engine over `nnx.eval_shape` of an INT4 model on the dual grid
+    holds no array (ShapeDtypeStructs, placed as the engine over the real model places its arrays) and
+    refuses to decode; a version in the model's layout installs the reference quantizer's words, and it
+    decodes as that engine does; after `release_weights` it holds nothing again."""
+    cfg = load_config("tiny", ["moe.expert_quant=int4", "moe.dispatch=ep_a2a"])
+    dual = DualMesh(MeshConfig(), model=cfg)
+    engine = Engine(record_layout(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), dual), max_slots=4,
+                    **SHAPES)
+    assert not engine.holds_weights and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(engine.state))
+    engine.submit([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="holds no weights"):
+        engine.step()
+    engine.queue.clear()
+    model = random_model(cfg, 3, mesh=dual)
+    placed = Engine(model, max_slots=4, **SHAPES)
+    describe = lambda like: jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), like)  # noqa: E731
+    assert describe(engine.held_like) == describe(placed.held_like)
+    engine.update_weights(nnx.state(model), version=1)
+    _assert_holds_int4_of(engine, model)
+    for got, want in zip(_generate(engine), _generate(placed)):
+        assert got.tokens == want.tokens
+    engine.release_weights()
+    assert not engine.holds_weights and describe(engine.held_like) == describe(placed.held_like)

@@ -177,16 +177,25 @@ class EngineAgent:
     def update_weights(self, weights, version: int) -> None:
         """Swap in new weights (a CausalLM or its nnx.State, same shapes) between engine steps; tokens
         produced from then on record `version`. Returns once they are in place."""
+        self._between_steps(lambda: self.engine.update_weights(weights, version))
+
+    def release_weights(self) -> None:
+        """Drop the engine's weights between engine steps (`Engine.release_weights`): the next version
+        lands without the current one beside it. Returns once they are gone."""
+        self._between_steps(self.engine.release_weights)
+
+    def _between_steps(self, command: Callable[[], None]) -> None:
+        """Run `command` on the driver between engine steps; returns once it ran (raising what it raised)."""
         done: Future = Future()
 
-        def swap():
+        def run():
             try:
-                self.engine.update_weights(weights, version)
+                command()
                 done.set_result(None)
             except Exception as e:   # handed to the caller, the driver goes on
                 done.set_exception(e)
 
-        self._send(swap, done)
+        self._send(run, done)
         done.result()
 
     @property

@@ -12,7 +12,10 @@ attends to (`attend_length`: the filled part rounded up to 64 x 2^i, never all o
 stream of requests compiles at most one decode program per attended length and one prefill program
 per chunk width and attended length; each compilation is logged and listed in `compiled`.
 `update_weights(weights, version)` swaps parameters of the same shapes in place, without retracing;
-every token records the version that produced it.
+every token records the version that produced it. An engine over an abstract model (`nnx.eval_shape`)
+holds no weights until the first version arrives (an engine process: the learner sends them), and
+`release_weights` drops them so that the next version lands without the current one beside it. An INT4
+policy's engine (`model.moe.expert_quant=int4`) holds its routed experts as INT4 (`model.quant`).
 
 Under a DualMesh (`model.mesh`), the engine places the model with the inference layout
 (`DualMesh.for_inference()`: replicated dense weights, experts on ep) and splits the slots over the
@@ -41,8 +44,8 @@ from composer_jax.infer.sampling import SamplingParams, SlotSampling
 from composer_jax.model.decoder import unstack_layers
 from composer_jax.model.moe import routed_expert_paths
 from composer_jax.model.quant import quantize_experts
-from composer_jax.parallel import shard_model
-from composer_jax.parallel.partitioning import inference_batch_sharding
+from composer_jax.parallel import record_layout, shard_model
+from composer_jax.parallel.partitioning import inference_batch_sharding, param_shardings
 from composer_jax.tree_paths import path_str
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,15 @@ class _Slot:
     phase: str = "prefill"      # prefill -> decode -> kept (or freed)
 
 
+def _is_abstract(tree) -> bool:
+    return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def _abstract(tree):
+    """ShapeDtypeStructs of `tree`'s arrays, with their placements."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
 def _check_like(state, like) -> None:
     """GenerationError unless `state` has the structure, shapes and dtypes of `like`."""
     have = jax.tree_util.tree_flatten_with_path(like)[0]
@@ -155,10 +167,10 @@ class Engine:
         self.programs = programs.for_platform(jax.default_backend())
         self.graphdef, state = self._place(model)
         # The layout weight versions arrive in (the model's, float experts), placed as this engine keeps it.
-        self._model_like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        self.state = self._stored(nnx.to_flat_state(state))
+        self._model_like = _abstract(state)
+        self.state = self._stored(nnx.to_flat_state(state))       # abstract over an abstract model
         self._shardings = jax.tree.map(lambda x: x.sharding, self.state)
-        self._program_state = self._for_programs(self.state)
+        self._program_state = self._for_programs(self.state) if self.holds_weights else None
         shapes = cache_shapes(cfg, max_slots, max_len, self.draft_tokens)
         out = None if self.dual is None else jax.tree.map(lambda s: self._batch_sharding(s.shape, s.ndim == 4), shapes)
         with self._traced_on():
@@ -178,7 +190,13 @@ class Engine:
 
     def _place(self, model):
         if self.dual is not None:   # a placed twin: the caller's model is untouched
-            model = shard_model(nnx.merge(*nnx.split(model), copy=True), self.dual)
+            graphdef, state = nnx.split(model)
+            if _is_abstract(state):     # ShapeDtypeStructs (e.g. nnx.eval_shape): the placement's, no arrays
+                state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                                     param_shardings(state, self.dual))
+                model = record_layout(nnx.merge(graphdef, state), self.dual)
+            else:
+                model = shard_model(nnx.merge(graphdef, state, copy=True), self.dual)
         self._int4 = routed_expert_paths(model) if model.cfg.moe.expert_quant == "int4" else frozenset()
         return nnx.split(model)
 
@@ -278,10 +296,33 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # weights
 
+    @property
+    def holds_weights(self) -> bool:
+        """False over an abstract model until `update_weights`, and after `release_weights`."""
+        return not _is_abstract(self.state)
+
+    @property
+    def held_like(self) -> nnx.State:
+        """ShapeDtypeStructs of the parameters the engine holds, placed as it holds them (INT4 experts as
+        Int4Matrix): what a weight version is read into."""
+        return _abstract(self.state)
+
+    def release_weights(self) -> None:
+        """Drop the parameters (the next version then lands without the current one beside it); the
+        engine decodes again after `update_weights`."""
+        self.state, self._program_state = self.held_like, None
+
     def update_weights(self, weights, version: int) -> None:
-        """Swap in new parameters (a CausalLM or its nnx.State, any placement) of the same structure,
-        shapes and dtypes; the compiled programs are reused. Tokens produced from now on record `version`."""
-        self.state = self.place_weights(weights)
+        """Swap in new parameters (a CausalLM or its nnx.State: in the model's layout, any placement, or in
+        the engine's own, `held_like`); the compiled programs are reused. Arrays already placed as the
+        engine holds them are kept, not copied: pass a snapshot (`place_weights`) of arrays that will be
+        donated. Tokens produced from now on record `version`."""
+        state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
+        if jax.tree.structure(state) == jax.tree.structure(self.state):
+            _check_like(state, self.state)
+            self.state = jax.device_put(state, self._shardings)
+        else:
+            self.state = self.place_weights(state)
         self._program_state = self._for_programs(self.state)
         self.version = version
 
@@ -449,6 +490,9 @@ class Engine:
 
     def step(self) -> list[Update]:
         """Admit queued requests, run one prefill chunk and one decode call; returns what they produced."""
+        if self._program_state is None and self.busy:
+            raise GenerationError("the engine holds no weights (built over an abstract model, or released): "
+                                  "update_weights first")
         self._admit()
         updates: list[Update] = []
         self._prefill_step(updates)

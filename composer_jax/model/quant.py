@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import INT4_GROUP, INT4_MAX_ABS
@@ -133,11 +134,17 @@ _quantize_jit = jax.jit(quantize_int4_matrix)
 def quantize_experts(pairs, paths: frozenset) -> nnx.State:
     """Parameters as (path, Variable) pairs (`nnx.to_flat_state`; a generator is consumed one pair at a
     time) -> an nnx.State with the expert stacks at `paths` (`moe.routed_expert_paths`) as Int4Matrix,
-    each quantized where it lives (on its own mesh) and one after another."""
+    each quantized where it lives (on its own mesh) and one after another. Abstract parameters
+    (ShapeDtypeStructs) give the Int4Matrix's ShapeDtypeStructs, placed as quantizing would place them."""
 
     def quantized(w):
         with leafwise.on_mesh(leafwise.mesh_of(w)):
-            return _quantize_jit(w)
+            if not isinstance(w, jax.ShapeDtypeStruct):
+                return _quantize_jit(w)
+            out = jax.eval_shape(_quantize_jit, w)
+        mesh = getattr(w.sharding, "mesh", None)
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=w.sharding if mesh is None
+                                                           else NamedSharding(mesh, o.sharding.spec)), out)
 
     return nnx.from_flat_state([(path, var.replace(quantized(var.get_value())) if path in paths else var)
                                 for path, var in pairs])

@@ -60,7 +60,7 @@ class ParamLeaf:
 
 
 @functools.lru_cache(maxsize=4)
-def _described_leaves(cfg: ModelConfig) -> tuple:
+def described_leaves(cfg: ModelConfig) -> tuple:
     """(accounting leaf, itemsize, axes, is a Param, is a Muon matrix) of every leaf of the abstract
     model (cached: building the 1T model's shapes takes about a second)."""
     model = abstract_model(cfg)
@@ -81,7 +81,7 @@ def _placed_leaves(cfg: ModelConfig, sizes: tuple) -> tuple[ParamLeaf, ...]:
     """param_leaves, cached: a layout search places the same leaves on each grid many times."""
     sizes = dict(sizes)
     out = []
-    for leaf, itemsize, axes, trainable, matrix in _described_leaves(cfg):
+    for leaf, itemsize, axes, trainable, matrix in described_leaves(cfg):
         spec = spec_for(axes, leaf.shape, sizes)
         out.append(ParamLeaf(leaf.path, leaf.shape, itemsize, axes, spec, grid_of(axes), leaf.component, trainable,
                              matrix, shard_shape(leaf.shape, spec, sizes)))

@@ -5,6 +5,7 @@ session end (the learner's stop marker, or a new session of a restarted learner)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from composer_jax.rl.exchange.directory import POLL_S, ExchangeError, atomic_write, numbered_file, read_session
@@ -16,11 +17,13 @@ from composer_jax.rl.rollout import ProducedBatch
 
 class EngineExchange:
     """The engine's side of one learner session: waits for weight versions (`wait_weights`), writes
-    batches (`deliver`), sees the session end (`ended`). `like`: the engine's parameters (the structure,
-    and with weight_transfer=device the layout, versions arrive in)."""
+    batches (`deliver`), sees the session end (`ended`). `like`: the engine's parameters, abstract
+    (`Engine.held_like`: the structure and the layout versions are read into); `release()`: drops the
+    weights the engine serves, called before a new version is read."""
 
-    def __init__(self, root: str | Path, session: dict, like, timeout_s: float, weight_transfer: str = "file"):
-        self.root, self.session, self.timeout_s = Path(root), session, timeout_s
+    def __init__(self, root: str | Path, session: dict, like, timeout_s: float, weight_transfer: str = "file",
+                 release: Callable[[], None] = lambda: None):
+        self.root, self.session, self.timeout_s, self.release = Path(root), session, timeout_s, release
         self.dir = self.root / session["session"]
         self.loaded: int | None = None      # the version installed from this session
         self.versions: list[int] = []       # every version loaded, in order
@@ -55,6 +58,8 @@ class EngineExchange:
                 version = versions[-1]
                 if version == self.loaded:
                     return None, version
+                self.release()              # the version served is dropped before the next one lands
+                self.loaded = None
                 weights = self.weights.pull(version)
                 if weights is None:         # pruned meanwhile (a newer one is there), or the session ended
                     continue

@@ -28,7 +28,7 @@ from flax import nnx
 from composer_jax.config import ConfigError
 from composer_jax.infer.generate import engine_grids
 from composer_jax.model import CausalLM
-from composer_jax.parallel import shard_model
+from composer_jax.parallel import record_layout
 from composer_jax.rl.exchange.directory import POLL_S, ExchangeError
 from composer_jax.rl.exchange.engine_end import EngineExchange
 from composer_jax.rl.exchange.heartbeat import Heartbeat
@@ -87,8 +87,9 @@ def serve(cfg: RLRunConfig, tasks: TaskSets | None = None, log=print, engine: in
 def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: float, engine: int) -> dict:
     setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
     cfg = setup.cfg
-    model = CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed))     # its weights come from the learner
-    shard_model(model, engine_grids(model.cfg, jax.devices()))
+    # Abstract (no arrays): the weights come from the learner, so no float copy of the model is ever held
+    model = nnx.eval_shape(lambda: CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed)))
+    record_layout(model, engine_grids(model.cfg, jax.devices()))
     agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
     exchange = None
@@ -96,7 +97,8 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
         session = EngineExchange.wait_session(root, timeout)
         tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
         while True:
-            exchange = EngineExchange(root, session, agent.engine.state, timeout, cfg.rollout.weight_transfer)
+            exchange = EngineExchange(root, session, agent.engine.held_like, timeout, cfg.rollout.weight_transfer,
+                                      release=agent.release_weights)
             of = f"engine {engine} of {cfg.rollout.engines}: " if cfg.rollout.engines > 1 else ""
             log(f"rl-engine: {of}session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")
