@@ -112,6 +112,7 @@ def _run_plan(args) -> int:
     print()
     print(plan_table([p for p in (report.train, report.rl) if p is not None], hw.hbm_gb))
     _print_extras(report, hw.hbm_gb)
+    deployment = _print_deployment(args, cfg, report, hw) if args.engines else None
     found = (found or search(cfg, args.devices, hw, fixed=fixed, **options)) if args.search else []
     if found:
         _print_search(found, args.top, hw)
@@ -120,7 +121,8 @@ def _run_plan(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "overrides": list(args.overrides), "devices": args.devices,
-                       **report.to_dict(hw.hbm_gb), "search": [_candidate_json(c) for c in found[:args.top]]},
+                       **report.to_dict(hw.hbm_gb), "search": [_candidate_json(c) for c in found[:args.top]],
+                       **({"deployment": deployment.to_dict()} if deployment else {})},
                       f, indent=2)
     return 0
 
@@ -162,6 +164,42 @@ def _print_extras(report, hbm_gb: float) -> None:
               f"share (total {share.total / 1e12:.4g} TFLOP over {share.matrices:,} matrices / {share.devices})")
     if report.verdicts:
         _print_verdicts(report, hbm_gb)
+
+
+def _print_deployment(args, cfg, report, hw):
+    """The RL deployment (--engines): each engine's memory and what a weight version moves."""
+    from composer_jax.plan.deployment import learner_quantizing, plan_deployment
+
+    int4 = args.engine_weights == "int4"
+    max_len = args.engine_max_len or cfg.train.seq_len
+    d = plan_deployment(cfg.model, learner_devices=args.devices, devices_per_host=args.devices_per_host,
+                        engines=args.engines, engine_devices=args.engine_devices, int4=int4,
+                        slots=args.engine_slots, max_len=max_len, bandwidth=hw.inter_bw)
+    e, v, hosts = d.engine, d.traffic, -(-args.devices // args.devices_per_host)
+    experts = f"INT4, {e.sizes['ep']} ways" if int4 else f"{e.weights}, {e.sizes['ep']} ways"
+    print(f"\nRL deployment: the learner on {args.devices} devices ({hosts} hosts), {args.engines} engine(s) of "
+          f"{args.engine_devices} devices; an engine per device:")
+    for label, size in ((f"dense weights (replicated, {cfg.model.param_dtype})", e.dense_params),
+                        (f"routed experts ({experts})", e.routed_params),
+                        (f"latent cache ({args.engine_slots} slots x {max_len} positions)", e.cache),
+                        ("one layer's experts dequantized", e.dequantized_layer)):
+        print(f"  {label:<58}{_gb(size):>12}")
+    print(f"  {'total (an engine process drops a version, then reads the next)':<58}{_gb(e.total):>12}  "
+          f"{_verdict(e.total, hw.hbm_gb)} in {hw.hbm_gb:g} GB")
+    print(f"  {'an in-process engine taking a version (two copies)':<58}{_gb(e.swapping):>12}  "
+          f"{_verdict(e.swapping, hw.hbm_gb)}")
+    print(f"  an engine host ({args.engine_devices} devices): {_gb(e.total * args.engine_devices)} of device memory")
+    if report.rl is not None:
+        quantizing = (f"; quantizing a version between steps adds {_gb(learner_quantizing(cfg.model, report.rl.sizes))}"
+                      " a device" if int4 else "")
+        print(f"the learner: {_gb(report.rl.total)} a device in its RL step ({_gb(report.rl.total * args.devices_per_host)}"
+              f" a host of {args.devices_per_host}){quantizing}; a version's own shards on their way to the files: "
+              f"{_gb(v.learner_host_buffer)} of host memory a host")
+    print(f"a version: {_gb(v.bytes)} (routed experts {_gb(v.routed_bytes)}{', INT4: quantized by the learner' * int4}),"
+          f" read whole by each engine; at {v.bandwidth / 1e9:g} GB/s a device: an engine takes it in "
+          f"{v.engine_s:.3g} s, the learner sends it to {args.engines} engine(s) in {v.learner_s:.3g} s: "
+          f"{v.seconds:.3g} s a version")
+    return d
 
 
 def _candidate_json(c) -> dict:
@@ -295,5 +333,14 @@ def _add_plan(sub) -> None:
     p.add_argument("--engine-slots", type=non_negative_int, default=8,
                    help="with --compile-for, also build the engine's prefill (256-token chunks) and decode (8 steps "
                         "a call) for this many slots of train.seq_len cached positions (0: not; default 8)")
+    p.add_argument("--engines", type=non_negative_int, default=0,
+                   help="also plan an RL deployment of this many rollout engines: each engine's memory and the "
+                        "bytes and seconds a weight version moves (0: not; default 0)")
+    p.add_argument("--engine-devices", type=positive_int, default=8, help="devices of each engine (default 8)")
+    p.add_argument("--engine-weights", choices=("int4", "learner"), default="int4",
+                   help="the engines' routed experts: int4 (K2.5's INT4, rollout.weights=int4) or the learner's "
+                        "dtype (default int4)")
+    p.add_argument("--engine-max-len", type=positive_int,
+                   help="cache positions per engine slot (default train.seq_len); slots: --engine-slots")
     p.add_argument("--hosts", type=positive_int, default=1,
                    help="hosts of the --compile-for topology, --devices split evenly over them (default 1)")

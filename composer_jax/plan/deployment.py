@@ -135,6 +135,19 @@ def version_traffic(model: ModelConfig, *, int4: bool, learner_devices: int, dev
                           engines * total / (learner_devices * bandwidth))
 
 
+def learner_quantizing(model: ModelConfig, sizes: dict[str, int]) -> int:
+    """Bytes a learner device adds while it quantizes a version for INT4 engines (between steps): the INT4
+    copy of its routed expert shards, and one expert stack's shard in float32 (the quantizer's working
+    copy, one stack at a time)."""
+    held = largest = 0
+    for leaf, _, axes, _, _ in described_leaves(model):
+        if _routed(leaf, axes):
+            elements = math.prod(shard_shape(leaf.shape, spec_for(axes, leaf.shape, sizes), sizes))
+            held += math.ceil(elements * INT4_BYTES_PER_WEIGHT)
+            largest = max(largest, 4 * elements)
+    return held + largest
+
+
 def plan_deployment(model: ModelConfig, *, learner_devices: int, devices_per_host: int, engines: int,
                     engine_devices: int, int4: bool, slots: int, max_len: int, bandwidth: float) -> Deployment:
     engine = plan_engine(model, engine_devices, int4=int4, slots=slots, max_len=max_len)
