@@ -280,6 +280,23 @@ def _seq_lens(text: str) -> list[int]:
     return [positive_int(x) for x in text.split(",") if x]
 
 
+def _add_engine_args(p) -> None:
+    """The engines' flags: the engine programs of --compile-for, and the RL deployment of --engines."""
+    p.add_argument("--engine-slots", type=non_negative_int, default=8,
+                   help="engine slots: with --compile-for, also build the engine's prefill (256-token chunks) and "
+                        "decode (8 steps a call) for this many slots of train.seq_len cached positions (0: not); with "
+                        "--engines, the slots whose cache an engine holds (default 8)")
+    p.add_argument("--engines", type=non_negative_int, default=0,
+                   help="also plan an RL deployment of this many rollout engines: each engine's memory and the "
+                        "bytes and seconds a weight version moves (0: not; default 0)")
+    p.add_argument("--engine-devices", type=positive_int, default=8, help="devices of each engine (default 8)")
+    p.add_argument("--engine-weights", choices=("int4", "learner"), default="int4",
+                   help="the engines' routed experts: int4 (K2.5's INT4, rollout.weights=int4) or the learner's "
+                        "dtype (default int4)")
+    p.add_argument("--engine-max-len", type=positive_int,
+                   help="cache positions per engine slot (default train.seq_len); slots: --engine-slots")
+
+
 def _add_plan(sub) -> None:
     p = subcommand(sub, "plan", _run_plan, "per-device memory of the training and RL steps on a layout",
                    "Plan per-device memory (parameters, optimizer state, gradients, activations, temporaries, "
@@ -330,17 +347,6 @@ def _add_plan(sub) -> None:
                    help="compile (never run) the training and RL steps for --hosts hosts of these GPUs on this "
                         "machine, no GPU needed, and report XLA's memory beside the plan, the collectives and "
                         "custom calls (needs the cuda12 extra: pip install -e '.[cuda12]')")
-    p.add_argument("--engine-slots", type=non_negative_int, default=8,
-                   help="with --compile-for, also build the engine's prefill (256-token chunks) and decode (8 steps "
-                        "a call) for this many slots of train.seq_len cached positions (0: not; default 8)")
-    p.add_argument("--engines", type=non_negative_int, default=0,
-                   help="also plan an RL deployment of this many rollout engines: each engine's memory and the "
-                        "bytes and seconds a weight version moves (0: not; default 0)")
-    p.add_argument("--engine-devices", type=positive_int, default=8, help="devices of each engine (default 8)")
-    p.add_argument("--engine-weights", choices=("int4", "learner"), default="int4",
-                   help="the engines' routed experts: int4 (K2.5's INT4, rollout.weights=int4) or the learner's "
-                        "dtype (default int4)")
-    p.add_argument("--engine-max-len", type=positive_int,
-                   help="cache positions per engine slot (default train.seq_len); slots: --engine-slots")
+    _add_engine_args(p)
     p.add_argument("--hosts", type=positive_int, default=1,
                    help="hosts of the --compile-for topology, --devices split evenly over them (default 1)")
