@@ -36,7 +36,7 @@ from composer_jax.rl.exchange.npz import read_batch, unpack, write_batch
 from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
 from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
-                                                       learner_shardings)
+                                                       rebuilt_shardings)
 from composer_jax.rl.engines import engine_states
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
@@ -390,15 +390,39 @@ def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
     assert engine_sharding["devices"] == 2
 
 
-def test_the_engines_layout_must_fit_the_learners_devices():
-    """An engine with more devices than the learner cannot be served shard for shard: one line naming the key."""
-    layout = describe_layout({"w": jax.device_put(jnp.zeros((4, 2)), NamedSharding(
-        Mesh(np.array(jax.devices()[:4]), ("x",)), PartitionSpec("x")))})
-    assert layout["meshes"][0] == {"axes": ["x"], "shape": [4], "positions": [0, 1, 2, 3]}
-    rebuilt = learner_shardings(layout, jax.devices()[::-1])["w"]          # the learner's devices in its order
-    assert rebuilt.spec == PartitionSpec("x") and list(rebuilt.mesh.devices) == jax.devices()[::-1][:4]
-    with pytest.raises(ExchangeError, match=r"^rollout.weight_transfer=device: the engine has 8 devices, the learner 2"):
-        learner_shardings(layout, jax.devices()[:2])
+def test_an_engine_with_more_devices_than_the_learner_pulls_through_the_learners_layout(tmp_path):
+    """The learner on 2 devices (a grid of its own), the engine on all 8 (4 x 2): the engine's layout does
+    not fit on the learner's devices, so a version travels in the learner's layout (learner.json), rebuilt
+    on the engine's first 2 devices, and is resharded into the engine's own: bit for bit, in the engine's
+    shardings (a bfloat16 parameter too). A layout rebuilt on too few devices is a one-line error."""
+    learner_devices = jax.devices()[:2]
+    learner_mesh = Mesh(np.array(learner_devices), ("a",))
+    engine_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    values = {"w": np.arange(64, dtype=np.float32).reshape(16, 4),
+              "b": np.arange(8, dtype=np.float32).astype(jnp.bfloat16)}
+    state = {"w": jax.device_put(values["w"], NamedSharding(learner_mesh, PartitionSpec("a"))),
+             "b": jax.device_put(values["b"], NamedSharding(learner_mesh, PartitionSpec()))}
+    like = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(engine_mesh, PartitionSpec("x", "y"))),
+            "b": jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=NamedSharding(engine_mesh, PartitionSpec("x")))}
+    (tmp_path / "weights").mkdir()
+    client = DeviceWeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
+    server = DeviceWeightServer(tmp_path, wait=lambda path, what: None, devices=learner_devices)
+    try:
+        with jax.set_mesh(learner_mesh):
+            server.offer(state, 0)
+        announced, = (tmp_path / "weights").glob("*.json")
+        assert json.loads(announced.read_text())["layout"] == "learner"
+        pulled = client.pull(0)
+    finally:
+        server.close()
+    for name, want in values.items():
+        assert pulled[name].sharding == like[name].sharding, name
+        assert np.array_equal(np.asarray(pulled[name]).view(np.uint8), np.asarray(want).view(np.uint8)), name
+    layout = describe_layout(like)
+    assert layout["meshes"][0] == {"axes": ["x", "y"], "shape": [4, 2], "positions": list(range(8))}
+    with pytest.raises(ExchangeError, match=r"^rollout.weight_transfer=device: a layout over 8 devices cannot be "
+                                            r"rebuilt on 2$"):
+        rebuilt_shardings(layout, learner_devices)
 
 
 def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch):
