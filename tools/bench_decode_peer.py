@@ -16,17 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from composer_jax.bench.args import add_decode_args  # noqa: E402
 from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, metavar="PATH", help="write the results here")
-    parser.add_argument("--sizes", default="tiny,weight_bound", help="model sizes (default: tiny,weight_bound)")
-    parser.add_argument("--batches", default="1,8,32,128", help="batch sizes (default: 1,8,32,128)")
-    parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per engine and batch (default 3)")
+    add_decode_args(parser, "tiny,weight_bound", "1,8,32,128")
     args = parser.parse_args(argv)
     use_cpu_devices(1)
     from composer_jax.bench.decode_peer import MODEL_SIZES, decode_peer_section

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from composer_jax.bench.args import add_decode_args  # noqa: E402
 from composer_jax.cpu_devices import use_cpu_devices  # noqa: E402
 
 WEIGHTS = {"bf16": ("dtype=bfloat16", "param_dtype=bfloat16"),
@@ -84,12 +85,7 @@ def row(models: dict, batch: int, prompt_len: int, new_tokens: int, reps: int) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", required=True, metavar="PATH", help="write the results here")
-    parser.add_argument("--sizes", default="weight_bound", help="model sizes (default: weight_bound)")
-    parser.add_argument("--batches", default="1,32", help="batch sizes (default: 1,32)")
-    parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per engine and batch (default 3)")
+    add_decode_args(parser, "weight_bound", "1,32")
     args = parser.parse_args(argv)
     use_cpu_devices(1)
     import os
