@@ -472,17 +472,20 @@ def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
-    """tools/bench_weight_transfer.py at a tiny size: both transports deliver every version (the engine
-    process checks each) and the JSON has the side-by-side timings."""
+    """tools/bench_weight_transfer.py at a tiny size: the device transport from one learner process and the
+    file transport from a learner of 2 processes deliver every version (the engine process checks each),
+    and the JSON has the side-by-side timings."""
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_weight_transfer.py"), "--mb", "2",
-                           "--versions", "3", "--json", str(out)], env=_engine_env(8), cwd=REPO,
+                           "--versions", "3", "--processes", "2", "--json", str(out)], env=_engine_env(8), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "file/device" in done.stdout
-    results = json.loads(out.read_text())
-    for mode in ("file", "device"):
-        assert results[mode]["publish_s"] > 0 and results[mode]["delivered_s"] >= results[mode]["publish_s"]
+    assert "against the single-process device transport" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"device, 1 process", "file, 2 processes"}
+    for row in rows.values():
+        assert row["publish_s"] > 0 and row["delivered_s"] >= row["publish_s"]
+    assert rows["file, 2 processes"]["bytes_per_process"] == 2**20
 
 
 def test_a_multi_task_engine_launch_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
