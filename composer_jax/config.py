@@ -118,6 +118,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3  # aux-loss-free balancing step (DeepSeek-V3's gamma)
     # int4: every forward uses the routed experts through K2.5's INT4 quantizer (groups of INT4_GROUP inputs)
     # with a straight-through gradient: quantization-aware training, and the policy an INT4 engine serves
+    # (an engine of such a model holds the experts as INT4)
     expert_quant: Literal["none", "int4"] = "none"
 
     def __post_init__(self):

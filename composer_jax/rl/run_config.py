@@ -61,8 +61,9 @@ class RolloutConfig:
     # its own share of the training tasks and produces batches K, K + engines, ... (rl/exchange/engine_process.py)
     engines: int = 1
     # the engines' policy: the learner's weights as they are, or int4: the routed experts through K2.5's INT4
-    # quantizer (model.moe.expert_quant's); the step's importance weights see the difference, and the metrics
-    # behaviour_logp_gap(_max) its size. Quantization-aware RL (model.moe.expert_quant=int4) trains that policy.
+    # quantizer (model.moe.expert_quant's), held by the engines as INT4 (engine processes get them quantized by
+    # the learner); the step's importance weights see the difference, and the metrics behaviour_logp_gap(_max)
+    # its size. Quantization-aware RL (model.moe.expert_quant=int4) trains that policy.
     weights: Literal["learner", "int4"] = "learner"
 
     def __post_init__(self):
