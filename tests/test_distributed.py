@@ -279,15 +279,18 @@ def _rl_records(run_dir: Path) -> list[dict]:
 def test_rl_learner_of_two_processes_matches_one(tmp_path):
     """`composer-jax rl` as 2 processes x 4 devices (init_from a run, streamed by each process into its shards;
     the reference policy; RL steps on the dual grid, each weight version written shard by shard by both
-    processes to the exchange directory) with the
-    rollout engine process beside it (the parity tasks of tests/rl_parity.py: rewards and flagged turns
-    from a near-random policy) trains as one learner process with 8 devices does: the same batches
-    (staleness 0: the engine samples each batch with the weights of the step before), the same losses step
-    for step; process 0 alone reports and writes the metrics; the checkpoint both saved restores in one
-    process."""
+    processes to the exchange directory, the routed experts quantized to INT4 on each process's own shards)
+    with the INT4 rollout engine process beside it (the parity tasks of tests/rl_parity.py: rewards and
+    flagged turns from a near-random policy) trains as one learner process with 8 devices does: the same
+    batches (staleness 0: the engine samples each batch with the weights of the step before), the same
+    losses step for step; process 0 alone reports and writes the metrics; the checkpoint both saved
+    restores in one process, whose INT4 version of it is the one both wrote."""
     from flax import nnx
 
     from composer_jax.source_weights import open_model
+    from composer_jax.model.moe import routed_expert_paths
+    from composer_jax.model.quant import quantize_experts
+    from composer_jax.rl.engines import offered_weights
     from composer_jax.rl.exchange.transport_files import FileWeightClient
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
@@ -295,7 +298,8 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     from tests.random_models import save_random_run
     from tests.test_rl_loop import BYTE_TINY
 
-    overrides = [*RL_OVERRIDES, f"init_from={save_random_run(tmp_path / 'source', BYTE_TINY)}"]
+    # INT4 engines: each learner process quantizes its own shards of the routed experts for every version
+    overrides = [*RL_OVERRIDES, "rollout.weights=int4", f"init_from={save_random_run(tmp_path / 'source', BYTE_TINY)}"]
     one = tmp_path / "one"
     engine = _rl_engine(one, overrides)
     try:
@@ -332,18 +336,20 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     restored = RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={two}"]), parity_tasks())
     try:
         assert restored.life.resumed_from == 3
-        policy = nnx.state(restored.learner.policy())
+        # the version as this one process offers it: the INT4 experts quantized from the restored weights
+        offered = offered_weights(restored.cfg, restored.learner)
         session = json.loads((two / "exchange" / "session.json").read_text())["session"]
-        published = FileWeightClient(two / "exchange" / session, policy)    # written shard by shard by both
+        published = FileWeightClient(two / "exchange" / session, offered)    # written shard by shard by both
         assert published.versions()[-1] == 3
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(policy)[0], jax.tree.leaves(published.pull(3))):
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(offered)[0], jax.tree.leaves(published.pull(3))):
             np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
     finally:
         restored.checkpoints.close()
-    # ... and `composer-jax eval` / `generate` open the run as a model (byte tokenizer) with those weights.
+    # ... and `composer-jax eval` / `generate` open the run as a model (byte tokenizer) with those weights
+    # (quantized here as the learner quantized them).
     opened = open_model(two)
     assert opened.description == f"training run {two}, step 3" and opened.tokenizer.vocab_size == 256
-    sampled = nnx.state(opened.model)
+    sampled = quantize_experts(nnx.to_flat_state(nnx.state(opened.model)), routed_expert_paths(opened.model))
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(sampled)[0],
                             jax.tree.leaves(FileWeightClient(published.dir.parent, sampled).pull(3))):
         np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
