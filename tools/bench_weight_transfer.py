@@ -31,26 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _state(mb: int, devices: list, version: int):
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh = Mesh(np.array(devices), ("fsdp",))
-    rows = 1024
-    count = max(1, mb * 2**20 // (rows * 1024 * 4))
-    return {f"layer{i}": jax.device_put(np.full((rows, 1024), i + version, np.float32),
-                                        NamedSharding(mesh, PartitionSpec("fsdp"))) for i in range(count)}
-
-
 def engine_main(root: str, mode: str, mb: int, versions: int) -> None:
     """The engine process: its layout is the same parameters sharded over its own 2 devices."""
-    import jax
-
     from composer_jax.rl.exchange.directory import atomic_write
     from composer_jax.rl.exchange.engine_end import EngineExchange
 
-    like = _state(mb, jax.devices(), 0)
+    like = _state(mb, 0)
     exchange = EngineExchange(root, EngineExchange.wait_session(root, 120), like, 120, mode)
     for version in range(versions):
         weights, got = exchange.wait_weights(version)
@@ -84,8 +70,9 @@ def learner_process_main(process: int, processes: int, port: int, root: str, mb:
     watchdog.finish()
 
 
-def _state_of_group(mb: int, version: int):
-    """_state over every process's devices, each process building only its own shards."""
+def _state(mb: int, version: int):
+    """`mb` MiB of float32 [1024, 1024] matrices (values `i + version`), FSDP-sharded over every device
+    (of every process in a group), each process building only its own shards."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -110,7 +97,7 @@ def publish_versions(root: str, mode: str, mb: int, versions: int, engine) -> di
     publish_s, delivered_s = [], []
     try:
         for version in range(versions):
-            state = jax.block_until_ready(_state_of_group(mb, version))
+            state = jax.block_until_ready(_state(mb, version))
             began = time.time()
             learner.publish(state, version)
             publish_s.append(time.time() - began)

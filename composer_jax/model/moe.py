@@ -105,4 +105,3 @@ def routed_expert_paths(model: nnx.Module) -> frozenset[tuple]:
     the MTP depths')."""
     return frozenset(tuple(path) + (name,) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)
                      for name in ROUTED_EXPERTS)
-

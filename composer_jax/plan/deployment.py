@@ -93,6 +93,11 @@ class Deployment:
                 "version": {**dataclasses.asdict(self.traffic), "seconds": self.traffic.seconds}}
 
 
+def _bytes(elements: int, itemsize: int, int4: bool) -> int:
+    """Bytes of `elements` weights of a routed expert stack: INT4 (words and scales) or `itemsize` each."""
+    return math.ceil(elements * (INT4_BYTES_PER_WEIGHT if int4 else itemsize))
+
+
 def _routed(leaf, axes: tuple[str, ...]) -> bool:
     """A MoE layer's routed expert stack (not the router, its bias or the shared expert)."""
     return leaf.path[-1] in ROUTED_EXPERTS and "experts" in axes
@@ -106,7 +111,7 @@ def plan_engine(model: ModelConfig, devices: int, *, int4: bool, slots: int, max
     for leaf, itemsize, axes, _, _ in described_leaves(model):
         local = shard_shape(leaf.shape, spec_for(axes, leaf.shape, sizes, inference=True), sizes)
         if _routed(leaf, axes):
-            routed += math.ceil(math.prod(local) * (INT4_BYTES_PER_WEIGHT if int4 else itemsize))
+            routed += _bytes(math.prod(local), itemsize, int4)
             if leaf.path[0] == "moe_layers":       # [layers, local experts, in, out]: one layer's
                 layer_experts += math.prod(local[1:])
         else:
@@ -125,7 +130,7 @@ def version_traffic(model: ModelConfig, *, int4: bool, learner_devices: int, dev
     for leaf, itemsize, axes, _, _ in described_leaves(model):
         size = math.prod(leaf.shape)
         if _routed(leaf, axes):
-            part = math.ceil(size * (INT4_BYTES_PER_WEIGHT if int4 else itemsize))
+            part = _bytes(size, itemsize, int4)
             routed += part
             total += part
         else:
@@ -143,7 +148,7 @@ def learner_quantizing(model: ModelConfig, sizes: dict[str, int]) -> int:
     for leaf, _, axes, _, _ in described_leaves(model):
         if _routed(leaf, axes):
             elements = math.prod(shard_shape(leaf.shape, spec_for(axes, leaf.shape, sizes), sizes))
-            held += math.ceil(elements * INT4_BYTES_PER_WEIGHT)
+            held += _bytes(elements, 0, True)
             largest = max(largest, 4 * elements)
     return held + largest
 
