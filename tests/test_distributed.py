@@ -5,6 +5,7 @@ across process counts, and a dead or failed peer ending the others with one line
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -258,17 +259,18 @@ def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
 
 
 RL_OVERRIDES = [*TINY, "rollout.transport=directory", "rl.max_staleness=0", "rl.steps=3", "rl.kl_coef=0.05",
-                "eval.every=0", "checkpoint.every=3", "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12",
+                "eval.every=0", "checkpoint.every=1", "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12",
                 "rl.max_tokens=12"]
 
 
-def _rl_engine(run_dir: Path, overrides) -> subprocess.Popen:
-    """The rollout engine (tests/rl_engine_process.py: parity tasks) for the learner run in `run_dir`, on 2
-    devices of its own."""
+def _rl_engines(run_dir: Path, overrides) -> list[subprocess.Popen]:
+    """The rollout engines (tests/rl_engine_process.py: parity tasks) for the learner run in `run_dir`, 2
+    devices each; engine k writes each weight version V it takes to run_dir/engine<k>-V.npz."""
     env = {**_env(), "XLA_FLAGS": f"{_env()['XLA_FLAGS']} --xla_force_host_platform_device_count=2".strip()}
-    return subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", *overrides, f"run_dir={run_dir}",
-                             "cpu_devices=2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return [subprocess.Popen([sys.executable, "-m", "tests.rl_engine_process", "--engine", str(k), "--dump",
+                              str(run_dir / f"engine{k}"), *overrides, f"run_dir={run_dir}", "cpu_devices=2"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for k in range(2)]
 
 
 def _rl_records(run_dir: Path) -> list[dict]:
@@ -278,47 +280,51 @@ def _rl_records(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_rl_learner_of_two_processes_matches_one(tmp_path):
     """`composer-jax rl` as 2 processes x 4 devices (init_from a run, streamed by each process into its shards;
-    the reference policy; RL steps on the dual grid, each weight version written shard by shard by both
-    processes to the exchange directory, the routed experts quantized to INT4 on each process's own shards)
-    with the INT4 rollout engine process beside it (the parity tasks of tests/rl_parity.py: rewards and
-    flagged turns from a near-random policy) trains as one learner process with 8 devices does: the same
-    batches (staleness 0: the engine samples each batch with the weights of the step before), the same
-    losses step for step; process 0 alone reports and writes the metrics; the checkpoint both saved
-    restores in one process, whose INT4 version of it is the one both wrote."""
+    the reference policy; RL steps on the dual grid) feeding 2 rollout engine processes, engine 0 INT4 and
+    engine 1 on the learner's float weights, device to device: each learner process serves its own shards of
+    every version (the routed experts quantized to INT4 on them too) and each engine pulls its pieces from
+    both and assembles its own layout. Trains as one learner process with 8 devices does (the parity tasks
+    of tests/rl_parity.py: rewards and flagged turns from a near-random policy): the same batches (staleness
+    0: each batch sampled with the weights of the step before), the same losses step for step; process 0
+    alone reports and writes the metrics. The checkpoint both saved restores in one process: the float
+    engine's last weights are its weights bit for bit, the INT4 engine's the reference quantizer's words
+    and scales of them."""
     from flax import nnx
 
     from composer_jax.source_weights import open_model
     from composer_jax.model.moe import routed_expert_paths
     from composer_jax.model.quant import quantize_experts
     from composer_jax.rl.engines import offered_weights
-    from composer_jax.rl.exchange.transport_files import FileWeightClient
+    from composer_jax.rl.exchange.transport_device import flat_parameters
     from composer_jax.rl.loop import RLTrainer
     from composer_jax.rl.run_config import load_rl_config
 
     from tests.random_models import save_random_run
     from tests.test_rl_loop import BYTE_TINY
 
-    # INT4 engines: each learner process quantizes its own shards of the routed experts for every version
-    overrides = [*RL_OVERRIDES, "rollout.weights=int4", f"init_from={save_random_run(tmp_path / 'source', BYTE_TINY)}"]
+    overrides = [*RL_OVERRIDES, "rollout.engines=2", "rollout.weights=[int4, learner]", "rollout.weight_transfer=device",
+                 f"init_from={save_random_run(tmp_path / 'source', BYTE_TINY)}"]
     one = tmp_path / "one"
-    engine = _rl_engine(one, overrides)
+    engines = _rl_engines(one, overrides)
     try:
         RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={one}"]), parity_tasks()).run()
-        (status, err), = _finish([engine], LAUNCH_TIMEOUT_S)
-        assert status == 0, err[-3000:]
+        for k, (status, err) in enumerate(_finish(engines, LAUNCH_TIMEOUT_S)):
+            assert status == 0, f"engine {k}:\n{err[-3000:]}"
     finally:
-        engine.kill()
+        for engine in engines:
+            engine.kill()
 
     two, port = tmp_path / "two", _free_port()
-    engine = _rl_engine(two, overrides)
+    engines = _rl_engines(two, overrides)
     learners = _launch(lambda i: [sys.executable, "-m", "tests.rl_learner_process", *overrides, f"run_dir={two}",
                                   "cpu_devices=4", "--coordinator", f"localhost:{port}", "--num-processes", "2",
                                   "--process-id", str(i)])
-    results = _finish([*learners, engine], LAUNCH_TIMEOUT_S)
-    for name, (status, err) in zip(("process 0", "process 1", "engine"), results):
+    results = _finish([*learners, *engines], LAUNCH_TIMEOUT_S)
+    for name, (status, err) in zip(("process 0", "process 1", "engine 0", "engine 1"), results):
         assert status == 0, f"{name}:\n{err[-3000:]}"
     # (gloo's chatter may split lines of stdout)
     assert re.search(r"^rl: steps 0 -> 3 ", learners[0].stdout_text, re.M) and "rl:" not in learners[1].stdout_text
+    assert all(json.loads(e.stdout_text.strip().splitlines()[-1])["batches"] >= 1 for e in engines)
 
     ours, ref = _rl_records(two), _rl_records(one)
     assert [r["step"] for r in ours] == [r["step"] for r in ref] == [1, 2, 3]
@@ -331,28 +337,32 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
         assert a["staleness_max"] == 0, a["step"]
         for key in compared:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
-    # The checkpoint the 2 processes saved restores in this one process (8 devices): the very weights they
-    # wrote for the engine after the last step.
+    # The checkpoint the 2 processes saved restores in this one process (8 devices), offering both engines' names.
     restored = RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={two}"]), parity_tasks())
     try:
         assert restored.life.resumed_from == 3
-        # the version as this one process offers it: the INT4 experts quantized from the restored weights
-        offered = offered_weights(restored.cfg, restored.learner)
-        session = json.loads((two / "exchange" / "session.json").read_text())["session"]
-        published = FileWeightClient(two / "exchange" / session, offered)    # written shard by shard by both
-        assert published.versions()[-1] == 3
-        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(offered)[0], jax.tree.leaves(published.pull(3))):
-            np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
+        offered = set(offered_weights(restored.cfg, restored.learner))     # float and INT4 experts
     finally:
         restored.checkpoints.close()
-    # ... and `composer-jax eval` / `generate` open the run as a model (byte tokenizer) with those weights
-    # (quantized here as the learner quantized them).
-    opened = open_model(two)
-    assert opened.description == f"training run {two}, step 3" and opened.tokenizer.vocab_size == 256
-    sampled = quantize_experts(nnx.to_flat_state(nnx.state(opened.model)), routed_expert_paths(opened.model))
-    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(sampled)[0],
-                            jax.tree.leaves(FileWeightClient(published.dir.parent, sampled).pull(3))):
-        np.testing.assert_array_equal(np.asarray(x), y, err_msg=str(path))
+    # Each engine's last version V (the checkpoint of step V, opened in one process as `composer-jax eval` opens
+    # a run): the float engine held its weights bit for bit, the INT4 engine the reference quantizer's words
+    # and scales of them.
+    for k in range(2):
+        version = max(int(p.stem.split("-")[1]) for p in two.glob(f"engine{k}-*.npz"))
+        at_version = tmp_path / f"two-at-{version}"
+        shutil.copytree(two, at_version, ignore=lambda _, names: [n for n in names if n.isdigit() and int(n) > version])
+        opened = open_model(at_version)
+        assert opened.description == f"training run {at_version}, step {version}"
+        want = nnx.state(opened.model)
+        if k == 0:
+            want = quantize_experts(nnx.to_flat_state(want), routed_expert_paths(opened.model))
+        want = flat_parameters(want)
+        with np.load(two / f"engine{k}-{version}.npz") as held:
+            assert set(held) == set(want) and set(held) <= offered, k
+            assert any(name.endswith(".packed") for name in held) == (k == 0), k
+            for name in held:
+                got, ref = held[name], np.asarray(want[name])     # (bfloat16 scales come back as raw 2-byte items)
+                assert got.shape == ref.shape and got.tobytes() == ref.tobytes(), f"engine {k}: {name}"
 
 
 def test_a_weight_version_costs_each_learner_process_its_own_shards_not_the_model(tmp_path):

@@ -117,7 +117,7 @@ def test_an_int4_version_moves_through_the_exchange_as_int4(tmp_path):
     server = FileWeightServer(tmp_path)
     server.offer(offered_weights(cfg, SimpleNamespace(policy=lambda: learner)), 0)
     server.close()
-    model = cfg.engine_model
+    model = cfg.engine_model()
     engine = Engine(shard_model(random_model(model, 0), engine_grids(model, jax.devices()[:2])), max_slots=2, **SHAPES)
     engine.update_weights(FileWeightClient(tmp_path, engine.state).pull(0), version=1)
     _assert_holds_int4_of(engine, learner)

@@ -35,8 +35,7 @@ from composer_jax.rl.exchange.learner_end import LearnerExchange
 from composer_jax.rl.exchange.npz import read_batch, unpack, write_batch
 from composer_jax.rl.exchange.transport_files import FileWeightClient, FileWeightServer
 from composer_jax.rl.exchange.settings import check_same_settings, engine_settings
-from composer_jax.rl.exchange.transport_device import (DeviceWeightClient, DeviceWeightServer, describe_layout,
-                                                       rebuilt_shardings)
+from composer_jax.rl.exchange.transport_device import DeviceWeightClient, DeviceWeightServer
 from composer_jax.rl.engines import engine_states
 from composer_jax.rl.loop import RLTrainer
 from composer_jax.rl.rollout import ProducedBatch, engine_sampling
@@ -317,8 +316,9 @@ def test_each_engine_samples_its_share_and_a_checkpoint_resumes_only_its_engine_
     ("rl", ["rollout.devices=2"], "rollout.devices"),
     ("rl", ["rollout.transport=thread", "rollout.weight_transfer=device"], "rollout.weight_transfer"),
     ("rl", ["rollout.engines=2", "rollout.transport=thread"], "rollout.engines"),
-    ("rl", ["rollout.engines=2", "rollout.weight_transfer=device"], "rollout.engines"),
     ("rl-engine", ["rollout.engines=2", "--engine", "2"], "rollout.engines"),
+    ("rl", ["rollout.engines=2", "rollout.weights=[int4]"], "rollout.weights"),
+    ("rl-engine", ["rollout.weights=[int4, int8]"], "rollout.weights[1]"),
 ])
 def test_bad_remote_settings_are_one_line_naming_the_key(tmp_path, capsys, command, overrides, key):
     (tmp_path / "a_file").write_text("")
@@ -385,44 +385,45 @@ def test_weights_pulled_device_to_device_into_the_engines_layout(tmp_path):
         for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(versions[v])[0], pulled):
             assert np.array_equal(np.asarray(want).view(np.uint8), np.asarray(got).view(np.uint8)), path
     assert sorted(learner.weights._held) == [2, 3] and next(learner.weights._ids) == 3    # 2 pulls scheduled
-    assert not list((learner.dir / "pulls").iterdir())
-    engine_sharding = json.loads((learner.dir / "engine.json").read_text())
-    assert engine_sharding["devices"] == 2
+    assert not list((learner.dir / "pulls" / "0").iterdir())
+    named = json.loads((learner.dir / "engines" / "0.json").read_text())["params"]
+    assert len(named) == len(jax.tree.leaves(state))
 
 
-def test_an_engine_with_more_devices_than_the_learner_pulls_through_the_learners_layout(tmp_path):
-    """The learner on 2 devices (a grid of its own), the engine on all 8 (4 x 2): the engine's layout does
-    not fit on the learner's devices, so a version travels in the learner's layout (learner.json), rebuilt
-    on the engine's first 2 devices, and is resharded into the engine's own: bit for bit, in the engine's
-    shardings (a bfloat16 parameter too). A layout rebuilt on too few devices is a one-line error."""
-    learner_devices = jax.devices()[:2]
-    learner_mesh = Mesh(np.array(learner_devices), ("a",))
+def test_an_engine_assembles_its_own_layout_from_the_learners_pieces(tmp_path):
+    """The learner's blocks and the engine's need not match: the engine (all 8 devices, a 4 x 2 grid) builds
+    each of its blocks from the learner's pieces, bit for bit in its own shardings, where a learner block
+    holds several engine blocks ('w': rows over 2 devices), where an engine block is made of parts of 8
+    learner blocks ('v': rows over 8, the engine splitting columns), and where the engine replicates ('b',
+    bfloat16, replicated on the learner's 2 devices: one piece sent). Engine parameters the learner lacks
+    or has in another shape are one-line errors on both sides."""
+    mesh2, mesh8 = Mesh(np.array(jax.devices()[:2]), ("a",)), Mesh(np.array(jax.devices()), ("a",))
     engine_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
-    values = {"w": np.arange(64, dtype=np.float32).reshape(16, 4),
+    values = {"w": np.arange(64, dtype=np.float32).reshape(16, 4), "v": np.arange(64, dtype=np.float32).reshape(16, 4),
               "b": np.arange(8, dtype=np.float32).astype(jnp.bfloat16)}
-    state = {"w": jax.device_put(values["w"], NamedSharding(learner_mesh, PartitionSpec("a"))),
-             "b": jax.device_put(values["b"], NamedSharding(learner_mesh, PartitionSpec()))}
-    like = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(engine_mesh, PartitionSpec("x", "y"))),
-            "b": jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=NamedSharding(engine_mesh, PartitionSpec("x")))}
-    (tmp_path / "weights").mkdir()
+    state = {"w": jax.device_put(values["w"], NamedSharding(mesh2, PartitionSpec("a"))),
+             "v": jax.device_put(values["v"], NamedSharding(mesh8, PartitionSpec("a"))),
+             "b": jax.device_put(values["b"], NamedSharding(mesh2, PartitionSpec()))}
+    specs = {"w": PartitionSpec("x", "y"), "v": PartitionSpec(None, "y"), "b": PartitionSpec()}
+    like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(engine_mesh, specs[k]))
+            for k, v in values.items()}
     client = DeviceWeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
-    server = DeviceWeightServer(tmp_path, wait=lambda path, what: None, devices=learner_devices)
+    server = DeviceWeightServer(tmp_path)
     try:
-        with jax.set_mesh(learner_mesh):
-            server.offer(state, 0)
-        announced, = (tmp_path / "weights").glob("*.json")
-        assert json.loads(announced.read_text())["layout"] == "learner"
+        server.offer(state, 0)
         pulled = client.pull(0)
+        for name, want in values.items():
+            assert pulled[name].sharding == like[name].sharding, name
+            assert np.array_equal(np.asarray(pulled[name]).view(np.uint8), np.asarray(want).view(np.uint8)), name
+        wrong = {**like, "w": jax.ShapeDtypeStruct((16, 2), jnp.float32, sharding=like["w"].sharding)}
+        client = DeviceWeightClient(tmp_path, wrong, alive=lambda: True, timeout_s=30, engine=1)
+        with pytest.raises(ExchangeError, match=r"^parameter 'w' is float32\[16, 4\] in the learner, "
+                                                r"float32\[16, 2\] in engine 1$"):
+            client.pull(0)
+        with pytest.raises(ExchangeError, match="parameter 'w' is float32"):
+            server.offer(state, 1)          # the serving thread's failure, at the learner's next offer
     finally:
         server.close()
-    for name, want in values.items():
-        assert pulled[name].sharding == like[name].sharding, name
-        assert np.array_equal(np.asarray(pulled[name]).view(np.uint8), np.asarray(want).view(np.uint8)), name
-    layout = describe_layout(like)
-    assert layout["meshes"][0] == {"axes": ["x", "y"], "shape": [4, 2], "positions": list(range(8))}
-    with pytest.raises(ExchangeError, match=r"^rollout.weight_transfer=device: a layout over 8 devices cannot be "
-                                            r"rebuilt on 2$"):
-        rebuilt_shardings(layout, learner_devices)
 
 
 def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch):
@@ -443,7 +444,7 @@ def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch
 
     (tmp_path / "weights").mkdir()
     client = DeviceWeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)
-    server = DeviceWeightServer(tmp_path, wait=lambda path, what: None)
+    server = DeviceWeightServer(tmp_path)
     try:
         with jax.set_mesh(learner_mesh):          # as in the RL loop (`with dual:`): eager ops meet the context mesh
             server.offer(state, 0)
@@ -507,7 +508,6 @@ def test_a_multi_task_engine_launch_is_refused_in_one_line(tmp_path, capsys, mon
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.transport=thread"], "config key 'rollout.transport': a learner of 2 processes trains on the batches of "
                                    "`composer-jax rl-engine`"),
-    ([*REMOTE, "rollout.weight_transfer=device"], "config key 'rollout.weight_transfer': device needs a learner of one process"),
     ([*REMOTE, "eval.every=5"], "config key 'eval.every': the held-out evaluation runs an engine inside the learner"),
     ([*REMOTE, "eval.every=0", "rollout.batch_size=4"], "config key 'rollout.batch_size': 4 trajectories do not split into "
                                                         "whole groups of rl.group_size=4 over 2 processes"),

@@ -24,6 +24,7 @@ from composer_jax.parallel import shard_model
 from composer_jax.parallel.distributed import process_major_devices
 from composer_jax.rl.exchange.learner_end import LearnerExchange
 from composer_jax.rl.exchange.settings import engine_settings
+from composer_jax.rl.exchange.transport_device import flat_parameters
 from composer_jax.rl.rollout import ProducedBatch, RolloutProducer, engine_agent, engine_sampling
 from composer_jax.rl.run_config import RLRunConfig
 from composer_jax.rl.task_sets import TaskSets
@@ -52,9 +53,9 @@ def split_devices(cfg: RLRunConfig) -> tuple[list, list | None]:
 
 def policy_engine(cfg: RLRunConfig, tokenizer, learner, engine_devices: list | None = None) -> EngineAgent:
     """An in-process engine over the learner's policy: on the learner's devices, or on its own (a fresh
-    model placed there; also on the learner's devices when it runs another model, `cfg.engine_model`: INT4
+    model placed there; also on the learner's devices when it runs another model, `cfg.engine_model()`: INT4
     experts); it starts with a copy of the learner's current weights and version."""
-    source, model = learner.policy(), cfg.engine_model
+    source, model = learner.policy(), cfg.engine_model()
     if engine_devices is not None or model != cfg.model:   # its weights come from the learner below
         devices = engine_devices if engine_devices is not None else list(learner.dual.dense.devices.flat)
         source = CausalLM(model, rngs=nnx.Rngs(cfg.seed))
@@ -65,14 +66,19 @@ def policy_engine(cfg: RLRunConfig, tokenizer, learner, engine_devices: list | N
     return agent
 
 
-def offered_weights(cfg: RLRunConfig, learner) -> nnx.State:
-    """The learner's weights as engine processes take them: for INT4 engines (`cfg.engine_model`) the routed
-    experts quantized here, on the learner's own shards, so a version moves and lands as INT4 (4.5 bits a
-    routed weight), not as the float weights an engine would quantize after holding them all."""
+def offered_weights(cfg: RLRunConfig, learner) -> nnx.State | dict:
+    """The learner's weights as engine processes take them: for INT4 engines (`cfg.engine_model(k)`) the
+    routed experts quantized here, on the learner's own shards, so a version moves and lands as INT4 (4.5
+    bits a routed weight), not as the float weights an engine would quantize after holding them all. With
+    engines of both kinds, both: {parameter name: array} with the float experts and their INT4 words and
+    scales (other names), each engine taking its own."""
     policy = learner.policy()
-    if cfg.engine_model.moe.expert_quant != "int4":
-        return nnx.state(policy)
-    return quantize_experts(nnx.to_flat_state(nnx.state(policy)), routed_expert_paths(policy))
+    int4 = {cfg.engine_model(k).moe.expert_quant == "int4" for k in range(cfg.rollout.engines)}
+    state = nnx.state(policy)
+    if int4 == {False}:
+        return state
+    quantized = quantize_experts(nnx.to_flat_state(state), routed_expert_paths(policy))
+    return quantized if int4 == {True} else {**flat_parameters(state), **flat_parameters(quantized)}
 
 
 class Rollouts:

@@ -25,6 +25,25 @@ from composer_jax.rl.task_pool import PoolConfig
 from composer_jax.train.config import CheckpointConfig, load_config_with_model
 
 
+class EngineWeights(str):
+    """The `rollout.weights` setting: learner or int4 for every engine, or a list of them, one per engine
+    (`[int4, learner]`: engine 0 INT4, engine 1 the learner's weights)."""
+
+    @classmethod
+    def from_config(cls, value, key: str) -> str | tuple[str, ...]:
+        if not isinstance(value, (list, tuple)):
+            value, key = [value], [key]
+        else:
+            key = [f"{key}[{i}]" for i in range(len(value))]
+        for v, k in zip(value, key):
+            if v not in ENGINE_WEIGHTS:
+                raise ConfigError(k, f"expected learner or int4, or a list of them (one per engine), got {v!r}")
+        return tuple(value) if len(key) > 1 or key[0].endswith("]") else value[0]
+
+
+ENGINE_WEIGHTS = ("learner", "int4")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How rollouts are produced (the inference engine, driven from one thread; episodes in threads)."""
@@ -63,8 +82,9 @@ class RolloutConfig:
     # the engines' policy: the learner's weights as they are, or int4: the routed experts through K2.5's INT4
     # quantizer (model.moe.expert_quant's), held by the engines as INT4 (engine processes get them quantized by
     # the learner); the step's importance weights see the difference, and the metrics behaviour_logp_gap(_max)
-    # its size. Quantization-aware RL (model.moe.expert_quant=int4) trains that policy.
-    weights: Literal["learner", "int4"] = "learner"
+    # its size. Quantization-aware RL (model.moe.expert_quant=int4) trains that policy. A list sets it per
+    # engine (rollout.engines entries: [int4, learner])
+    weights: EngineWeights = "learner"
 
     def __post_init__(self):
         for name in ("batch_size", "max_new_tokens", "max_slots", "steps_per_call", "feedback_window"):
@@ -86,9 +106,10 @@ class RolloutConfig:
                                                  "engine's weights are copied device to device already)")
         if self.engines < 1:
             raise ConfigError("engines", f"must be >= 1, got {self.engines}")
-        if self.engines > 1 and (self.transport != "directory" or self.weight_transfer != "file"):
-            raise ConfigError("engines", f"{self.engines} engine processes need transport=directory and "
-                                         "weight_transfer=file (a device transfer serves one engine)")
+        if self.engines > 1 and self.transport != "directory":
+            raise ConfigError("engines", f"{self.engines} engine processes need transport=directory")
+        if isinstance(self.weights, tuple) and len(self.weights) != self.engines:
+            raise ConfigError("weights", f"lists {len(self.weights)} engines' weights for rollout.engines={self.engines}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("temperature", "temperature must be >= 0 and top_p in (0, 1]")
         object.__setattr__(self, "speculative", Speculative.from_config(self.speculative, "speculative"))
@@ -216,15 +237,17 @@ class RLRunConfig:
             check_fits_model("rollout.feedback_window", self.rollout.feedback_window, self.model)
         if not self.run_dir:
             raise ConfigError("run_dir", "is empty")
-        _ = self.engine_model     # rollout.weights=int4 on a model it cannot quantize: an error at load
+        for engine in range(self.rollout.engines):   # rollout.weights=int4 on a model it cannot quantize: at load
+            self.engine_model(engine)
         if self.env.repos and self.rollout.transport != "thread":
             raise ConfigError("env.repos", "a growing task pool feeds the learner's own rollout producer: needs "
                                            f"rollout.transport=thread, got {self.rollout.transport!r}")
 
-    @property
-    def engine_model(self) -> ModelConfig:
-        """The model the rollout engines run: the learner's, with INT4 routed experts under rollout.weights=int4."""
-        if self.rollout.weights == "learner" or self.model.moe.expert_quant == "int4":
+    def engine_model(self, engine: int = 0) -> ModelConfig:
+        """The model rollout engine `engine` runs: the learner's, with INT4 routed experts where its
+        rollout.weights is int4."""
+        weights = self.rollout.weights
+        if (weights if isinstance(weights, str) else weights[engine]) == "learner" or self.model.moe.expert_quant == "int4":
             return self.model
         try:
             return dataclasses.replace(self.model, moe=dataclasses.replace(self.model.moe, expert_quant="int4"))
@@ -259,9 +282,6 @@ class RLRunConfig:
             raise ConfigError("rollout.transport", f"a learner of {n} processes trains on the batches of "
                                                    "`composer-jax rl-engine`: set rollout.transport=directory and "
                                                    "start the engine")
-        if self.rollout.weight_transfer == "device":
-            raise ConfigError("rollout.weight_transfer", f"device needs a learner of one process (a transfer server "
-                                                         f"serves only its own process's devices); with {n} use file")
         if self.eval.every:
             raise ConfigError("eval.every", f"the held-out evaluation runs an engine inside the learner, which a "
                                             f"learner of {n} processes cannot: set eval.every=0 and evaluate a "

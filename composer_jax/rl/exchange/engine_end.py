@@ -19,15 +19,16 @@ class EngineExchange:
     """The engine's side of one learner session: waits for weight versions (`wait_weights`), writes
     batches (`deliver`), sees the session end (`ended`). `like`: the engine's parameters, abstract
     (`Engine.held_like`: the structure and the layout versions are read into); `release()`: drops the
-    weights the engine serves, called before a new version is read."""
+    weights the engine serves, called before a new version is read; `engine`: this engine's number (of
+    rollout.engines)."""
 
     def __init__(self, root: str | Path, session: dict, like, timeout_s: float, weight_transfer: str = "file",
-                 release: Callable[[], None] = lambda: None):
+                 release: Callable[[], None] = lambda: None, engine: int = 0):
         self.root, self.session, self.timeout_s, self.release = Path(root), session, timeout_s, release
         self.dir = self.root / session["session"]
         self.loaded: int | None = None      # the version installed from this session
         self.versions: list[int] = []       # every version loaded, in order
-        self.weights = (DeviceWeightClient(self.dir, like, lambda: not self.ended(), timeout_s)
+        self.weights = (DeviceWeightClient(self.dir, like, lambda: not self.ended(), timeout_s, engine)
                         if weight_transfer == "device" else FileWeightClient(self.dir, like))
 
     @staticmethod

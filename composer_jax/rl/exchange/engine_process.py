@@ -88,7 +88,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
     setup = resolve_run(cfg)            # the learner's tokenizer, format and env settings (the same source)
     cfg = setup.cfg
     # Abstract (no arrays): the weights come from the learner, so no float copy of the model is ever held
-    model = nnx.eval_shape(lambda: CausalLM(cfg.engine_model, rngs=nnx.Rngs(cfg.seed)))
+    model = nnx.eval_shape(lambda: CausalLM(cfg.engine_model(engine), rngs=nnx.Rngs(cfg.seed)))
     record_layout(model, engine_grids(model.cfg, jax.devices()))
     agent = engine_agent(cfg, setup.tokenizer, model)
     summary = {"batches": 0, "versions": [], "sessions": 0}
@@ -98,7 +98,7 @@ def _serve(cfg: RLRunConfig, tasks: TaskSets | None, log, root: str, timeout: fl
         tasks = tasks if tasks is not None else task_sets(cfg.env, cfg.seed, cfg.run_dir)
         while True:
             exchange = EngineExchange(root, session, agent.engine.held_like, timeout, cfg.rollout.weight_transfer,
-                                      release=agent.release_weights)
+                                      release=agent.release_weights, engine=engine)
             of = f"engine {engine} of {cfg.rollout.engines}: " if cfg.rollout.engines > 1 else ""
             log(f"rl-engine: {of}session {session['session']} from batch {session['start']} on {len(jax.devices())} "
                 f"{jax.devices()[0].platform} devices")

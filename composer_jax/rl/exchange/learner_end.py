@@ -58,17 +58,17 @@ class LearnerExchange:
             previous = read_session(self.root)
             if previous is not None:
                 shutil.rmtree(self.root / previous["session"], ignore_errors=True)
-            (self.dir / "weights").mkdir(parents=True)
-            (self.dir / "batches").mkdir()
-        # A device transfer serves from one process (the run config refuses it for a group).
-        self.weights = (DeviceWeightServer(self.dir, self._wait_for) if self.weight_transfer == "device"
-                        else FileWeightServer(self.dir))
+            (self.dir / "weights").mkdir(parents=True, exist_ok=True)   # another process's server may be first
+            (self.dir / "batches").mkdir(exist_ok=True)
+        # Every process serves its own shards (device) or writes them (file).
+        self.weights = DeviceWeightServer(self.dir) if self.weight_transfer == "device" else FileWeightServer(self.dir)
         if jax.process_index() == 0:
             write_json(self.root / SESSION_FILE, self.session)
 
     def publish(self, state, version: int) -> None:
         """Policy parameters at `version`, copied now (the next step may donate them): to the host and the
-        directory, or (weight_transfer=device) into the engine's layout on this learner's devices."""
+        directory, or (weight_transfer=device) a copy of this process's shards on its devices, for the engines
+        to pull."""
         self.weights.offer(state, version)
         if jax.process_index() == 0:
             for path in self._read:

@@ -1,39 +1,39 @@
 """Weight versions device to device (`rollout.weight_transfer=device`, with rollout.transport=directory):
-the learner serves each version from its devices through JAX's transfer server (`jax.experimental.transfer`)
-and the engine pulls it straight into its own devices' memory, shard for shard; only small JSON files go
-through the exchange directory.
+every learner process serves its own shards of each version from its devices through JAX's transfer
+server (`jax.experimental.transfer`), and every engine pulls, from every learner process, the pieces its
+parameters are made of straight into its own devices' memory, then assembles them into its own layout;
+only small JSON files go through the exchange directory.
 
-    <session>/engine.json                  the engine's layout: its meshes (axis names, shape, the position of
-                                           each device in its device list) and each parameter's path, shape,
-                                           dtype, mesh and PartitionSpec
-    <session>/learner.json                 the learner's layout, when versions travel in it (below)
-    <session>/weights/<version>.json       a version the learner holds, the address of its transfer server, and
-                                           the layout it travels in ("engine" or "learner")
-    <session>/pulls/<n>.json               the engine asks for a version
-    <session>/pulls/<n>.ready.json         the learner's answer: the pull's id, scheduled; or "gone" (a newer
-                                           version replaced it: the engine asks for the newest)
+    <session>/servers/<p>.json              learner process p's transfer server address
+    <session>/engines/<k>.json              engine k's parameters: path, shape, dtype (what it pulls)
+    <session>/weights/<version>.json        a version the learner holds, and how many processes serve it
+    <session>/pulls/<k>/<n>.json            engine k asks for a version
+    <session>/pulls/<k>/<n>.<p>.json        process p's answer: the pull's id and the pieces it sends (each a
+                                            parameter's index and its block of that parameter); or "gone" (a
+                                            newer version replaced it: the engine asks for the newest); or an
+                                            error (the engine's parameters are not the learner's)
 
-A transfer moves shard i of the sender's array to shard i of the receiver's, so both ends must hold a
-version in one layout. Where the engine's layout fits on the learner's devices, the learner copies each
-parameter (device to device, `jax.device_put`) into it on its own first devices: the engine's meshes
-rebuilt with the learner's devices at the same positions, and the engine pulls straight into its own
-arrays. Where it does not (an engine with more devices than the learner), the learner holds a copy in its
-own layout and describes it (learner.json); the engine rebuilds that layout on its own first devices,
-pulls into it, and reshards into its own layout on its devices. Either copy keeps the version safe from
-the next step, which donates the parameters. The learner schedules a version only when
-the engine asks for it: a pull of one never scheduled hangs, and the transfer server holds a scheduled
-version's arrays until they are pulled, so scheduling every version would hold each one the engine skips
-forever. The learner itself holds the newest KEEP_VERSIONS copies.
+Pieces: a process sends each parameter's shards on its devices that are the first replica of their block
+(`Shard.replica_id == 0`), so the processes' pieces of a parameter are disjoint and cover it once. No
+process gathers anything: the learner keeps a copy of its own pieces of the newest KEEP_VERSIONS versions
+(the next step donates the parameters), on its devices. That copy is the whole buffer a version needs on
+the learner's side: its own unique shards per version held (on a CPU learner, host memory).
 
-Limits: the learner is one process (its transfer server serves its own devices). The learner's server
-listens on its default route's address (COMPOSER_JAX_TRANSFER_HOST overrides it): the engine's host must
-reach it.
+An engine lands each piece on the device of its own layout whose block holds it (or overlaps it most),
+then builds each of its devices' blocks from the pieces that overlap it, a device-to-device copy where a
+piece landed elsewhere; so an engine may have more or fewer devices than the learner, and a layout of
+its own. The learner schedules a version for an engine only when that engine asks for it: a pull of one
+never scheduled hangs, and the transfer server holds a scheduled version's arrays until they are pulled.
+
+The learner's servers listen on their hosts' default route addresses (COMPOSER_JAX_TRANSFER_HOST
+overrides it): the engines' hosts must reach them.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import socket
 import threading
@@ -44,15 +44,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import SingleDeviceSharding
 
 from composer_jax.rl.exchange.directory import ExchangeError, numbered, numbered_file, prune, write_json
 from composer_jax.tree_paths import path_str
 
-KEEP_VERSIONS = 2           # versions the learner holds (the engine may be asking for the one before the newest)
+KEEP_VERSIONS = 2           # versions the learner holds (an engine may be asking for the one before the newest)
 POLL_S = 0.05
-ENGINE_FILE = "engine.json"
-LEARNER_FILE = "learner.json"    # the learner's layout, when versions travel in it
+
+Block = tuple[tuple[int, int], ...]     # [start, stop) along each axis of a parameter
 
 
 def _server(host: str):
@@ -79,121 +79,117 @@ def _host_address() -> str:
         return "127.0.0.1"
 
 
-def describe_layout(state, devices: list | None = None) -> dict:
-    """The layout of `state` (parameters: arrays with NamedShardings; positions in `devices`, default
-    jax.devices()), for engine.json or learner.json."""
-    devices = {d.id: i for i, d in enumerate(jax.devices() if devices is None else devices)}
-    meshes, params = [], []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        sharding = leaf.sharding
-        if not isinstance(sharding, NamedSharding):
-            raise ExchangeError(f"parameter '{path_str(path)}' has a {type(sharding).__name__}: weight_transfer=device "
-                                "needs NamedShardings")
-        mesh = {"axes": list(sharding.mesh.axis_names), "shape": list(sharding.mesh.devices.shape),
-                "positions": [devices[d.id] for d in sharding.mesh.devices.flat]}
-        if mesh not in meshes:
-            meshes.append(mesh)
-        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-        params.append({"path": path_str(path), "shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name,
-                       "mesh": meshes.index(mesh), "spec": spec})
-    return {"devices": len(devices), "meshes": meshes, "params": params}
+def flat_parameters(tree) -> dict:
+    """{dotted parameter name: leaf}: the names both transports give a version's arrays."""
+    return {path_str(p, "."): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def devices_used(layout: dict) -> int:
-    """How many devices of its side's list a layout's meshes reach into (the highest position + 1)."""
-    return 1 + max(max(m["positions"]) for m in layout["meshes"])
+def _block(index: tuple, shape: tuple[int, ...]) -> Block:
+    return tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape))
 
 
-def rebuilt_shardings(layout: dict, devices: list) -> dict[str, NamedSharding]:
-    """parameter path -> the layout's sharding rebuilt on `devices` (the other side's, at the same positions)."""
-    if devices_used(layout) > len(devices):
-        raise ExchangeError(f"rollout.weight_transfer=device: a layout over {devices_used(layout)} devices cannot be "
-                            f"rebuilt on {len(devices)}")
-    meshes = [Mesh(np.array([devices[i] for i in m["positions"]]).reshape(m["shape"]), tuple(m["axes"]))
-              for m in layout["meshes"]]
-    return {p["path"]: NamedSharding(meshes[p["mesh"]], PartitionSpec(*[tuple(s) if isinstance(s, list) else s
-                                                                       for s in p["spec"]]))
-            for p in layout["params"]}
+def _overlap(a: Block, b: Block) -> Block | None:
+    both = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return both if all(lo < hi for lo, hi in both) else None
+
+
+def _size(block: Block) -> int:
+    return math.prod(hi - lo for lo, hi in block)
+
+
+def _within(block: Block, outer: Block) -> tuple[slice, ...]:
+    """`block`'s position inside `outer`, as slices."""
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(block, outer))
 
 
 class DeviceWeightServer:
-    """The learner's side. `offer(state, version)` copies the parameters the engine's layout names into
-    that layout and announces the version; a thread schedules a held version for the engine's pull
-    when the engine asks. `wait(path, what)`: the exchange's bounded wait for a file (it checks the
-    engine's failure and heartbeat)."""
+    """A learner process's side (every process of a group runs one). `offer(state, version)` keeps a copy
+    of this process's pieces of the version and announces it (process 0); a thread answers each engine's
+    pull of a held version with the pieces of that engine's parameters, scheduled under a fresh id."""
 
-    def __init__(self, session_dir: Path, wait: Callable[[Path, str], None], devices: list | None = None):
-        self.dir, self._wait = session_dir, wait
-        self.devices = jax.local_devices() if devices is None else devices   # the learner's, in order
+    def __init__(self, session_dir: Path):
+        self.dir = session_dir
         self._server = _server(_host_address())
-        self._held: dict[int, list] = {}        # version -> its arrays in the layout sent
-        self._paths: list[str] | None = None    # the engine's parameters, in its order
-        self._shardings: list | None = None     # the engine's layout on the learner's devices (None: the learner's own)
+        self._held: dict[int, dict[str, tuple]] = {}    # version -> parameter -> (shape, dtype, [(block, array)])
+        self._engines: dict[int, list[str]] = {}        # engine -> its parameters, in its order
         self._ids = itertools.count(1)
         self._lock, self._stop = threading.Lock(), threading.Event()
-        self.error: Exception | None = None     # the serving thread's failure
-        (self.dir / "pulls").mkdir(parents=True, exist_ok=True)
+        self.error: Exception | None = None             # the serving thread's failure
+        self.process = jax.process_index()
+        for sub in ("pulls", "weights", "servers"):
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        write_json(self.dir / "servers" / f"{self.process}.json", {"address": self._server.address()})
         self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
         self._thread.start()
 
-    def _layout(self, flat: dict) -> None:
-        """The engine's parameters and the layout a version travels in: the engine's, rebuilt on the
-        learner's devices, where it fits on them; else the learner's own (learner.json), which the engine
-        rebuilds on its own first devices and reshards from."""
-        self._wait(self.dir / ENGINE_FILE, "the engine's layout (engine.json)")
-        layout = json.loads((self.dir / ENGINE_FILE).read_text())
-        for p in layout["params"]:
-            have = flat.get(p["path"])
-            if have is None:
-                raise ExchangeError(f"the engine's parameter '{p['path']}' is not among the learner's")
-            if (list(have.shape), np.dtype(have.dtype).name) != (p["shape"], p["dtype"]):
-                raise ExchangeError(f"parameter '{p['path']}' is {np.dtype(have.dtype).name}{list(have.shape)} in the "
-                                    f"learner, {p['dtype']}{p['shape']} in the engine")
-        self._paths = [p["path"] for p in layout["params"]]
-        if devices_used(layout) <= len(self.devices):
-            shardings = rebuilt_shardings(layout, self.devices)
-            self._shardings = [shardings[path] for path in self._paths]
-        else:
-            write_json(self.dir / LEARNER_FILE, describe_layout({p: flat[p] for p in self._paths}, self.devices))
-
     def offer(self, state, version: int) -> None:
-        """Hold `state`'s parameters at `version` (a copy in the engine's layout) and announce them."""
+        """Hold a copy of this process's pieces of `state` at `version` and (process 0) announce it."""
         if self.error is not None:
             raise ExchangeError(f"the learner's weight server failed: {type(self.error).__name__}: {self.error}")
-        flat = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
-        if self._paths is None:
-            self._layout(flat)
-        # A copy in the learner's layout first (device_put may reuse a replicated array's shards on a subset of
-        # its devices, may_alias=False or not, and the next step donates the parameters), then the engine's.
-        arrays = [jnp.copy(flat[p]) for p in self._paths]
-        arrays = jax.block_until_ready(arrays if self._shardings is None else jax.device_put(arrays, self._shardings))
+        pieces = {}
+        for name, x in flat_parameters(state).items():
+            # A real copy on the shard's device: the next step donates the parameters.
+            pieces[name] = (list(x.shape), np.dtype(x.dtype).name,
+                            [(_block(s.index, x.shape), jax.device_put(s.data, s.device, may_alias=False))
+                             for s in x.addressable_shards if s.replica_id == 0])
+        jax.block_until_ready([a for _, _, p in pieces.values() for _, a in p])
         with self._lock:
-            self._held[version] = arrays
+            self._held[version] = pieces
             for old in sorted(self._held)[:-KEEP_VERSIONS]:
                 del self._held[old]
-        write_json(numbered_file(self.dir / "weights", version, ".json"),
-                   {"version": version, "address": self._server.address(),
-                    "layout": "engine" if self._shardings is not None else "learner"})
-        prune(self.dir / "weights", KEEP_VERSIONS, ".json")
+        if self.process == 0:
+            write_json(numbered_file(self.dir / "weights", version, ".json"),
+                       {"version": version, "processes": jax.process_count()})
+            prune(self.dir / "weights", KEEP_VERSIONS, ".json")
 
     def _serve(self) -> None:
         try:
             while not self._stop.wait(POLL_S):
-                for request in sorted(self.dir.glob("pulls/[0-9]*.json")):
-                    if not request.name.endswith(".ready.json") and not request.with_suffix(".ready.json").exists():
-                        self._answer(request)
+                for request in sorted(self.dir.glob("pulls/*/[0-9]*.json")):
+                    answer = request.with_suffix(f".{self.process}.json")
+                    if request.stem.isdigit() and not answer.exists():
+                        try:
+                            self._answer(int(request.parent.name), request, answer)
+                        except FileNotFoundError:   # the engine gave the request up (its session ended)
+                            pass
         except Exception as e:  # noqa: BLE001 - reported by the learner's next offer
             self.error = e
 
-    def _answer(self, request: Path) -> None:
-        """Schedule the asked version for one pull (its id in the answer), or answer that it is gone."""
+    def _answer(self, engine: int, request: Path, answer_path: Path) -> None:
+        """Schedule the asked version's pieces of the engine's parameters for one pull (its id and the pieces
+        in the answer), answer that it is gone, or wait (a version this process has not offered yet)."""
         version = json.loads(request.read_text())["version"]
-        answer = {"gone": True}
         with self._lock:
-            if version in self._held:
-                answer = {"version": version, "uuid": next(self._ids)}
-                self._server.await_pull(answer["uuid"], self._held[version])
-        write_json(request.with_suffix(".ready.json"), answer)
+            if version not in self._held:
+                if self._held and version > max(self._held):
+                    return          # this process is behind the one that announced it: answered once offered
+                answer = {"gone": True}
+            else:
+                try:
+                    names = self._parameters(engine, self._held[version])
+                except ExchangeError as e:
+                    write_json(answer_path, {"error": str(e)})
+                    raise
+                pieces = [(i, block, array) for i, name in enumerate(names)
+                          for block, array in self._held[version][name][2]]
+                answer = {"version": version, "uuid": next(self._ids),
+                          "pieces": [[i, [list(b) for b in block]] for i, block, _ in pieces]}
+                self._server.await_pull(answer["uuid"], [array for _, _, array in pieces])
+        write_json(answer_path, answer)
+
+    def _parameters(self, engine: int, held: dict) -> list[str]:
+        """Engine `engine`'s parameters (engines/<k>.json), checked against a version's: names, shapes, dtypes."""
+        if engine not in self._engines:
+            wanted = json.loads((self.dir / "engines" / f"{engine}.json").read_text())["params"]
+            for p in wanted:
+                if p["path"] not in held:
+                    raise ExchangeError(f"engine {engine}'s parameter '{p['path']}' is not among the learner's")
+                shape, dtype, _ = held[p["path"]]
+                if (shape, dtype) != (p["shape"], p["dtype"]):
+                    raise ExchangeError(f"parameter '{p['path']}' is {dtype}{shape} in the learner, "
+                                        f"{p['dtype']}{p['shape']} in engine {engine}")
+            self._engines[engine] = [p["path"] for p in wanted]
+        return self._engines[engine]
 
     def close(self) -> None:
         self._stop.set()
@@ -201,33 +197,24 @@ class DeviceWeightServer:
 
 
 class DeviceWeightClient:
-    """The engine's side: describes its layout (`like`: its parameters) in the session, and pulls a
-    version into it (`pull`). `alive()` is False once the session ended; waits end after timeout_s."""
+    """Engine `engine`'s side: names its parameters (`like`: its parameters, their shardings the layout a
+    version is assembled in) in the session, and pulls a version from every learner process (`pull`).
+    `alive()` is False once the session ended; waits end after timeout_s."""
 
-    def __init__(self, session_dir: Path, like, alive: Callable[[], bool], timeout_s: float,
-                 devices: list | None = None):
-        self.dir, self.like, self.alive, self.timeout_s = session_dir, like, alive, timeout_s
-        self.devices = jax.devices() if devices is None else devices   # the engine's, in order
-        leaves, self._treedef = jax.tree_util.tree_flatten(like)
-        self._structs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves]
+    def __init__(self, session_dir: Path, like, alive: Callable[[], bool], timeout_s: float, engine: int = 0):
+        self.dir, self.like, self.alive, self.timeout_s, self.engine = session_dir, like, alive, timeout_s, engine
+        flat = flat_parameters(like)
+        self._names, self._like = list(flat), list(flat.values())
+        self._treedef = jax.tree_util.tree_structure(like)
+        self._targets = [x.sharding.devices_indices_map(x.shape) for x in self._like]  # device -> its block's index
         self._server = _server(_host_address())   # to connect from (reachable, should the transport connect back)
         self._connections: dict[str, object] = {}
         self._requests = itertools.count(1)
-        layout = describe_layout(like, self.devices)
-        self._paths = [p["path"] for p in layout["params"]]
-        self._landing: list | None = None      # the learner's layout on this engine's first devices
-        write_json(self.dir / ENGINE_FILE, layout)
-
-    def _structs_for(self, layout: str) -> list:
-        """What a pull lands in: the engine's layout, or the learner's rebuilt on this engine's devices
-        (learner.json; the engine has more devices than the learner, or another shape of grid)."""
-        if layout == "engine":
-            return self._structs
-        if self._landing is None:
-            shardings = rebuilt_shardings(json.loads((self.dir / LEARNER_FILE).read_text()), self.devices)
-            self._landing = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[path])
-                             for x, path in zip(self._structs, self._paths)]
-        return self._landing
+        (self.dir / "pulls" / str(engine)).mkdir(parents=True, exist_ok=True)
+        (self.dir / "engines").mkdir(parents=True, exist_ok=True)
+        write_json(self.dir / "engines" / f"{engine}.json",
+                   {"params": [{"path": n, "shape": list(x.shape), "dtype": np.dtype(x.dtype).name}
+                               for n, x in zip(self._names, self._like)]})
 
     def versions(self) -> list[int]:
         return numbered(self.dir / "weights", ".json")
@@ -239,31 +226,88 @@ class DeviceWeightClient:
             announced = json.loads(numbered_file(self.dir / "weights", version, ".json").read_text())
         except FileNotFoundError:
             return None
-        address, structs = announced["address"], self._structs_for(announced["layout"])
-        request = numbered_file(self.dir / "pulls", next(self._requests), ".json")
+        request = numbered_file(self.dir / "pulls" / str(self.engine), next(self._requests), ".json")
         write_json(request, {"version": version})
-        ready, deadline = request.with_suffix(".ready.json"), time.monotonic() + self.timeout_s
-        while not ready.exists():
+        answers = [self._answer(request, p, version) for p in range(announced["processes"])]
+        pulled = None if any(a is None for a in answers) else [[] for _ in self._names]
+        ready, keep = [], []
+        for process, answer in enumerate(answers):
+            if answer is None or answer.get("gone"):
+                continue
+            address = json.loads((self.dir / "servers" / f"{process}.json").read_text())["address"]
+            if address not in self._connections:
+                self._connections[address] = self._server.connect(address)
+            pieces = [(i, tuple(map(tuple, block))) for i, block in answer["pieces"]]
+            structs = [jax.ShapeDtypeStruct(tuple(hi - lo for lo, hi in block), self._like[i].dtype,
+                                            sharding=SingleDeviceSharding(self._landing(i, block)))
+                       for i, block in pieces]
+            ready.append((self._connections[address], answer["uuid"], structs))
+            keep.append(pieces)
+        # Every scheduled pull runs, even where another process answered "gone": its server holds the arrays
+        # until they are pulled.
+        arrays = self._within_timeout(lambda: jax.block_until_ready(
+            [c.pull(uuid, structs) for c, uuid, structs in ready]), f"the pull of version {version}")
+        for path in request.parent.glob(f"{request.stem}.*"):      # the request and its answers
+            path.unlink(missing_ok=True)
+        if pulled is None or any(a.get("gone") for a in answers):
+            return None
+        for pieces, got in zip(keep, arrays):
+            for (i, block), array in zip(pieces, got):
+                pulled[i].append((block, array))
+        del arrays
+        out = []
+        for i in range(len(pulled)):        # each parameter's pieces dropped once it is assembled
+            out.append(self._assemble(i, pulled[i]))
+            pulled[i] = None
+        return jax.tree_util.tree_unflatten(self._treedef, out)
+
+    def _answer(self, request: Path, process: int, version: int) -> dict | None:
+        """Learner process `process`'s answer to `request` (None: the session ended first)."""
+        path, deadline = request.with_suffix(f".{process}.json"), time.monotonic() + self.timeout_s
+        while not path.exists():
             if not self.alive():
                 return None
             if time.monotonic() > deadline:
-                raise ExchangeError(f"the learner did not answer the pull of version {version} in {self.timeout_s:g} s "
-                                    f"(rollout.engine_timeout_s) in {self.dir}")
+                raise ExchangeError(f"learner process {process} did not answer the pull of version {version} in "
+                                    f"{self.timeout_s:g} s (rollout.engine_timeout_s) in {self.dir}")
             time.sleep(POLL_S)
-        answer = json.loads(ready.read_text())
-        if answer.get("gone"):
-            request.unlink()
-            ready.unlink()
-            return None
-        if address not in self._connections:
-            self._connections[address] = self._server.connect(address)
-        arrays = self._within_timeout(lambda: jax.block_until_ready(
-            self._connections[address].pull(answer["uuid"], structs)), f"the pull of version {version}")
-        request.unlink()
-        ready.unlink()
-        if structs is not self._structs:        # resharded into the engine's own layout, on its devices
-            arrays = jax.device_put(arrays, [x.sharding for x in self._structs])
-        return jax.tree_util.tree_unflatten(self._treedef, arrays)
+        answer = json.loads(path.read_text())
+        if "error" in answer:
+            raise ExchangeError(answer["error"])
+        return answer
+
+    def _landing(self, i: int, block: Block):
+        """The engine device a piece of parameter i lands on: the first whose block holds it, else the one
+        whose block overlaps it most."""
+        shape = self._like[i].shape
+        overlaps = [(_size(_overlap(block, _block(index, shape)) or ()) if shape else 1, device)
+                    for device, index in self._targets[i].items()]
+        return max(overlaps, key=lambda o: o[0])[1]
+
+    def _assemble(self, i: int, pieces: list[tuple[Block, jax.Array]]) -> jax.Array:
+        """Parameter i in the engine's sharding, from the pieces pulled (disjoint blocks covering it)."""
+        like, built = self._like[i], {}
+        if sum(_size(b) for b, _ in pieces) != math.prod(like.shape):
+            raise ExchangeError(f"the learner's pieces of '{self._names[i]}' do not cover its shape {list(like.shape)}")
+        per_device = []
+        for device, index in self._targets[i].items():
+            block = _block(index, like.shape)
+            if block not in built:
+                built[block] = self._block(block, pieces, like.dtype, device)
+            per_device.append(jax.device_put(built[block], device))
+        return jax.make_array_from_single_device_arrays(like.shape, like.sharding, per_device)
+
+    @staticmethod
+    def _block(block: Block, pieces, dtype, device) -> jax.Array:
+        """One block of a parameter on `device`, from the pieces that overlap it."""
+        parts = [(_overlap(block, b) if block else (), b, a) for b, a in pieces]
+        parts = [(o, b, a) for o, b, a in parts if o is not None]
+        if len(parts) == 1 and parts[0][0] == block == parts[0][1]:
+            return jax.device_put(parts[0][2], device)
+        out = jnp.zeros(tuple(hi - lo for lo, hi in block), dtype, device=device)
+        for both, b, a in parts:
+            out = out.at[_within(both, block)].set(jax.device_put(a[_within(both, b)], device))
+        return out
 
     def _within_timeout(self, fn, what: str):
         """fn() on a helper thread, or ExchangeError after timeout_s (a pull from a learner that died
