@@ -365,24 +365,34 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
 
 
 def test_a_weight_version_costs_each_learner_process_its_own_shards_not_the_model(tmp_path):
-    """2 processes x 4 devices publish a version of 64 MiB of parameters sharded over all 8 devices
-    (tests/transfer_memory_process.py): each process's resident memory grows by at most its own 32 MiB of
-    shards plus 16 MiB while it writes them, where gathering the model (what the file transport did before)
-    grows it by the model's 64 MiB; the version reads back whole."""
+    """2 processes x 4 devices publish versions of 64 MiB of parameters sharded over all 8 devices
+    (tests/transfer_memory_process.py), where gathering the model (what the file transport did before) grows
+    each process's resident memory by the model's 64 MiB:
+    - device transport, an engine process (2 devices) pulling each version from both: a float version grows
+      each process by at most twice its own 32 MiB of shards plus 16 MiB (its copy, held until newer versions
+      replace it, and XLA:CPU's transfer server's copy of what it sends while the engine pulls); an INT4
+      version (quantized on each process's shards) by at most twice its own 4.5 MiB of words and scales plus
+      16 MiB. The engine checks both versions bit for bit.
+    - file transport: at most the own 32 MiB plus 16 MiB while it writes them; the version reads back whole."""
     from composer_jax.rl.exchange.transport_files import FileWeightClient
 
     port = _free_port()
     procs = _launch(lambda i: [sys.executable, "-m", "tests.transfer_memory_process", str(i), str(port),
                                str(tmp_path)])
-    results = _finish(procs, LAUNCH_TIMEOUT_S)
-    for i, (status, err) in enumerate(results):
-        assert status == 0, f"process {i}:\n{err[-3000:]}"
+    engine = subprocess.Popen([sys.executable, "-m", "tests.transfer_memory_process", "engine", "0", str(tmp_path)],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = _finish([*procs, engine], LAUNCH_TIMEOUT_S)
+    for name, (status, err) in zip(("process 0", "process 1", "engine"), results):
+        assert status == 0, f"{name}:\n{err[-3000:]}"
     mib = 2 ** 20
     for p in procs:
         m = json.loads(p.stdout_text.strip().splitlines()[-1])
         assert m["own_bytes"] == m["model_bytes"] // 2 == 32 * mib, m
         assert m["gather_peak"] >= 0.9 * m["model_bytes"], m        # the sampler sees a whole-model copy
         assert m["offer_peak"] <= m["own_bytes"] + 16 * mib, m
+        assert m["device_peak"] <= 2 * m["own_bytes"] + 16 * mib, m
+        assert m["int4_peak"] <= 2 * m["own_bytes"] * 9 // 64 + 16 * mib, m
+        print(json.dumps(m))
     like = {f"layer{k}": np.zeros((1024, 2048), np.float32) for k in range(8)}
-    back = FileWeightClient(tmp_path, like).pull(1)
+    back = FileWeightClient(tmp_path / "files", like).pull(1)
     assert all(np.all(back[f"layer{k}"] == k) for k in range(8))
