@@ -473,9 +473,9 @@ def test_a_pulled_version_survives_the_learners_next_steps(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
-    """tools/bench_weight_transfer.py at a tiny size: the device transport from one learner process and the
-    file transport from a learner of 2 processes deliver every version (the engine process checks each),
-    and the JSON has the side-by-side timings."""
+    """tools/bench_weight_transfer.py at a tiny size: the device transport from one learner process (the
+    anchor), and both transports from a learner of 2 processes, deliver every version (the engine process
+    checks each), and the JSON has the side-by-side timings."""
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(REPO / "tools" / "bench_weight_transfer.py"), "--mb", "2",
                            "--versions", "3", "--processes", "2", "--json", str(out)], env=_engine_env(8), cwd=REPO,
@@ -483,10 +483,10 @@ def test_weight_transfer_benchmark_runs_both_ways(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "against the single-process device transport" in done.stdout
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"device, 1 process", "file, 2 processes"}
+    assert set(rows) == {"device, 1 process", "device, 2 processes", "file, 2 processes"}
     for row in rows.values():
         assert row["publish_s"] > 0 and row["delivered_s"] >= row["publish_s"]
-    assert rows["file, 2 processes"]["bytes_per_process"] == 2**20
+    assert rows["file, 2 processes"]["bytes_per_process"] == rows["device, 2 processes"]["bytes_per_process"] == 2**20
 
 
 def test_a_multi_task_engine_launch_is_refused_in_one_line(tmp_path, capsys, monkeypatch):

@@ -1,7 +1,7 @@
 """The RL learner's weight versions to a rollout engine in another process, both ways side by side in one
-run: `rollout.weight_transfer=file` (an orbax version in the exchange directory, written shard by shard)
-against `device` (JAX's transfer server, rl/exchange/transport_device.py); and the file transport from a
-learner of 2 and 4 processes (the device transport serves from one process).
+run, from a learner of 1, 2 and 4 processes: `rollout.weight_transfer=device` (every learner process's
+transfer server sends its own shards, rl/exchange/transport_device.py) and `file` (an orbax version in the
+exchange directory, every process writing its own shards), against the single-process device transport.
 
     PYTHONPATH=$PWD python tools/bench_weight_transfer.py [--mb 256] [--versions 5] [--processes 1,2,4] [--json PATH]
 
@@ -52,7 +52,7 @@ def _env(devices: int) -> dict:
                          f"--xla_force_host_platform_device_count={devices}".strip()}
 
 
-def learner_process_main(process: int, processes: int, port: int, root: str, mb: int, versions: int) -> None:
+def learner_process_main(process: int, processes: int, port: int, root: str, mode: str, mb: int, versions: int) -> None:
     """One of `processes` learner processes (8 / processes devices each): process 0 reports its timings."""
     from composer_jax.cpu_devices import use_cpu_devices
 
@@ -61,7 +61,7 @@ def learner_process_main(process: int, processes: int, port: int, root: str, mb:
 
     watchdog = initialize(ProcessGroup(f"localhost:{port}", processes, process, "flags"), peer_timeout_s=240,
                           init_timeout_s=240, label="bench_weight_transfer")
-    results = publish_versions(root, "file", mb, versions, engine=None)
+    results = publish_versions(root, mode, mb, versions, engine=None)
     if process == 0:
         Path(root, "learner.json").write_text(json.dumps(results))
     from jax.experimental import multihost_utils
@@ -126,7 +126,7 @@ def learner_side(mode: str, mb: int, versions: int, processes: int = 1) -> dict:
                 probe.bind(("localhost", 0))
                 port = probe.getsockname()[1]
             learners = [subprocess.Popen([sys.executable, __file__, "--learner", str(k), str(processes), str(port), root,
-                                          str(mb), str(versions)], env=_env(8 // processes))
+                                          mode, str(mb), str(versions)], env=_env(8 // processes))
                         for k in range(processes)]
             for k, learner in enumerate(learners):
                 if learner.wait(timeout=600):
@@ -146,13 +146,13 @@ def main() -> None:
         engine_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return
     if sys.argv[1:2] == ["--learner"]:
-        learner_process_main(*map(int, sys.argv[2:5]), sys.argv[5], int(sys.argv[6]), int(sys.argv[7]))
+        learner_process_main(*map(int, sys.argv[2:5]), *sys.argv[5:7], int(sys.argv[7]), int(sys.argv[8]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="parameter MiB per version (float32)")
     parser.add_argument("--versions", type=int, default=5)
-    parser.add_argument("--processes", default="1,2,4", help="learner process counts for the file transport "
-                                                             "(dividing 8; default 1,2,4)")
+    parser.add_argument("--processes", default="1,2,4", help="learner process counts (dividing 8; default 1,2,4); "
+                                                             "the anchor, device from 1 process, always runs")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if args.versions < 2 or args.mb < 1:
@@ -166,9 +166,8 @@ def main() -> None:
     from composer_jax.cpu_devices import use_cpu_devices
 
     use_cpu_devices(8)
-    rows = {"device, 1 process": learner_side("device", args.mb, args.versions)}
-    rows.update({f"file, {p} process{'es' * (p > 1)}": learner_side("file", args.mb, args.versions, p)
-                 for p in processes})
+    runs = [("device", 1), *((mode, p) for p in processes for mode in ("device", "file") if (mode, p) != ("device", 1))]
+    rows = {f"{mode}, {p} process{'es' * (p > 1)}": learner_side(mode, args.mb, args.versions, p) for mode, p in runs}
     anchor = rows["device, 1 process"]
     print(f"{args.mb} MiB a version, median of {args.versions - 1} versions (the first left out); against the "
           "single-process device transport")
