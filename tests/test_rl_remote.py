@@ -394,17 +394,19 @@ def test_an_engine_assembles_its_own_layout_from_the_learners_pieces(tmp_path):
     """The learner's blocks and the engine's need not match: the engine (all 8 devices, a 4 x 2 grid) builds
     each of its blocks from the learner's pieces, bit for bit in its own shardings, where a learner block
     holds several engine blocks ('w': rows over 2 devices), where an engine block is made of parts of 8
-    learner blocks ('v': rows over 8, the engine splitting columns), and where the engine replicates ('b',
-    bfloat16, replicated on the learner's 2 devices: one piece sent). Engine parameters the learner lacks
+    learner blocks ('v': rows over 8, the engine splitting columns) or of 2 whole ones side by side ('u':
+    rows over 8, the engine's over 4), and where the engine replicates ('b', bfloat16, replicated on the
+    learner's 2 devices: one piece sent). Engine parameters the learner lacks
     or has in another shape are one-line errors on both sides."""
     mesh2, mesh8 = Mesh(np.array(jax.devices()[:2]), ("a",)), Mesh(np.array(jax.devices()), ("a",))
     engine_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
-    values = {"w": np.arange(64, dtype=np.float32).reshape(16, 4), "v": np.arange(64, dtype=np.float32).reshape(16, 4),
-              "b": np.arange(8, dtype=np.float32).astype(jnp.bfloat16)}
+    rows = np.arange(64, dtype=np.float32).reshape(16, 4)
+    values = {"w": rows, "v": rows + 1, "u": rows + 2, "b": np.arange(8, dtype=np.float32).astype(jnp.bfloat16)}
     state = {"w": jax.device_put(values["w"], NamedSharding(mesh2, PartitionSpec("a"))),
              "v": jax.device_put(values["v"], NamedSharding(mesh8, PartitionSpec("a"))),
+             "u": jax.device_put(values["u"], NamedSharding(mesh8, PartitionSpec("a"))),
              "b": jax.device_put(values["b"], NamedSharding(mesh2, PartitionSpec()))}
-    specs = {"w": PartitionSpec("x", "y"), "v": PartitionSpec(None, "y"), "b": PartitionSpec()}
+    specs = {"w": PartitionSpec("x", "y"), "v": PartitionSpec(None, "y"), "u": PartitionSpec("x"), "b": PartitionSpec()}
     like = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(engine_mesh, specs[k]))
             for k, v in values.items()}
     client = DeviceWeightClient(tmp_path, like, alive=lambda: True, timeout_s=30)

@@ -304,6 +304,10 @@ class DeviceWeightClient:
         parts = [(o, b, a) for o, b, a in parts if o is not None]
         if len(parts) == 1 and parts[0][0] == block == parts[0][1]:
             return jax.device_put(parts[0][2], device)
+        axis = _tiling_axis(block, parts)
+        if axis is not None:        # whole pieces side by side along one axis (the usual FSDP rows): one op
+            ordered = sorted(parts, key=lambda p: p[1][axis][0])
+            return jnp.concatenate([jax.device_put(a, device) for _, _, a in ordered], axis=axis)
         out = jnp.zeros(tuple(hi - lo for lo, hi in block), dtype, device=device)
         for both, b, a in parts:
             out = out.at[_within(both, block)].set(jax.device_put(a[_within(both, b)], device))
@@ -323,6 +327,19 @@ class DeviceWeightClient:
         if not ok:
             raise value
         return value
+
+
+def _tiling_axis(block: Block, parts: list) -> int | None:
+    """The axis along which the parts' pieces, each whole, lie side by side to make up `block`, or None."""
+    if not parts or any(overlap != piece for overlap, piece, _ in parts):
+        return None
+    spans = [[a for a, (lo, hi) in enumerate(piece) if (lo, hi) != block[a]] for _, piece, _ in parts]
+    axes = {a for s in spans for a in s}
+    if len(axes) != 1 or any(len(s) != 1 for s in spans):
+        return None
+    axis = axes.pop()
+    covered = sum(piece[axis][1] - piece[axis][0] for _, piece, _ in parts)
+    return axis if covered == block[axis][1] - block[axis][0] else None
 
 
 def _result(fn) -> tuple[bool, object]:
