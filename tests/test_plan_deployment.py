@@ -20,6 +20,7 @@ from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.plan.deployment import learner_quantizing, plan_engine, version_traffic
 from composer_jax.plan.memory import layout_sizes
 from composer_jax.rl.engines import offered_weights
+from composer_jax.rl.exchange.transport_device import KEEP_VERSIONS, DeviceWeightServer
 from tests.random_models import random_model
 from tests.test_rl_remote import _config as _remote_config
 
@@ -51,7 +52,9 @@ def test_an_engines_bytes_per_device_are_those_it_holds(weights):
 
 def test_a_versions_bytes_are_the_learners_offered_version(tmp_path):
     """The bytes each engine reads per version: the learner's offered version (INT4 experts quantized on
-    the learner); a learner host's share; the seconds at a bandwidth, the slower side's."""
+    the learner); a learner host's share; what the device transport's server holds of it on the learner's
+    devices (the pieces it keeps of one version add up to the version); the seconds at a bandwidth, the
+    slower side's."""
     for weights, int4 in (("int4", True), ("learner", False)):
         cfg = _remote_config(tmp_path, f"rollout.weights={weights}")
         learner = shard_model(random_model(cfg.model, 3), DualMesh(MeshConfig(), model=cfg.model))
@@ -60,6 +63,13 @@ def test_a_versions_bytes_are_the_learners_offered_version(tmp_path):
                             bandwidth=1e9)
         assert v.bytes == sum(x.nbytes for x in jax.tree.leaves(offered))
         assert v.learner_host_buffer == v.bytes // 2
+        assert v.learner_device_held == (KEEP_VERSIONS + 1) * -(-v.bytes // 8)
+        server = DeviceWeightServer(tmp_path / weights)
+        try:
+            server.offer(offered, 0)
+            assert sum(a.nbytes for _, _, pieces in server._held[0].values() for _, a in pieces) == v.bytes
+        finally:
+            server.close()
         assert (v.engine_s, v.learner_s, v.seconds) == (v.bytes / 2e9, 3 * v.bytes / 8e9, v.bytes / 2e9)
 
 

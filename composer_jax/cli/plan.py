@@ -194,7 +194,8 @@ def _print_deployment(args, cfg, report, hw):
                       " a device" if int4 else "")
         print(f"the learner: {_gb(report.rl.total)} a device in its RL step ({_gb(report.rl.total * args.devices_per_host)}"
               f" a host of {args.devices_per_host}){quantizing}; a version's own shards on their way to the files: "
-              f"{_gb(v.learner_host_buffer)} of host memory a host")
+              f"{_gb(v.learner_host_buffer)} of host memory a host; device to device: its copies of a device's "
+              f"share, {_gb(v.learner_device_held)} a device")
     print(f"a version: {_gb(v.bytes)} (routed experts {_gb(v.routed_bytes)}{', INT4: quantized by the learner' * int4}),"
           f" read whole by each engine; at {v.bandwidth / 1e9:g} GB/s a device: an engine takes it in "
           f"{v.engine_s:.3g} s, the learner sends it to {args.engines} engine(s) in {v.learner_s:.3g} s: "

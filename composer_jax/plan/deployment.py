@@ -18,7 +18,9 @@ next (`Engine.release_weights`, between batches), so its parameters count once; 
 A version (`rl.engines.offered_weights`): the learner's parameters, with INT4 engines the routed experts
 quantized learner-side on the learner's own shards, so a version moves as INT4. Every engine reads all of
 it; each learner process writes or serves only its own shards (`rollout.weight_transfer=file`: a host
-buffers at most its devices' shards of the version on their way to the files). Seconds per version at a
+buffers at most its devices' shards of the version on their way to the files; `device`: a learner device
+holds a copy of its share of the newest KEEP_VERSIONS versions, and while engines pull a version the
+transfer server may copy what it sends, one share more). Seconds per version at a
 stated bandwidth per device: an engine takes it in over its M devices' links while the learner sends it
 `engines` times over its N devices' links; the slower side sets the time.
 """
@@ -34,6 +36,7 @@ from composer_jax.model.moe import ROUTED_EXPERTS
 from composer_jax.parallel.mesh import check_model, resolve_sizes
 from composer_jax.parallel.partitioning import spec_for
 from composer_jax.plan.state import described_leaves, shard_shape
+from composer_jax.rl.exchange.transport_device import KEEP_VERSIONS
 
 INT4_BYTES_PER_WEIGHT = 0.5 + 2 / INT4_GROUP    # a nibble, and a bfloat16 scale per group
 
@@ -72,6 +75,7 @@ class VersionTraffic:
     bytes: int                    # the whole version, as offered (each engine reads all of it)
     routed_bytes: int             # of which the routed experts
     learner_host_buffer: int      # a learner host's share of the version (its devices' shards)
+    learner_device_held: int      # weight_transfer=device: a learner device's copies of its share, while one is sent
     bandwidth: float              # bytes/s per device and direction
     engine_s: float               # an engine taking it in over its devices' links
     learner_s: float              # the learner sending it to every engine over its devices' links
@@ -136,7 +140,8 @@ def version_traffic(model: ModelConfig, *, int4: bool, learner_devices: int, dev
         else:
             total += size * itemsize
     host_share = total * min(devices_per_host, learner_devices) // learner_devices
-    return VersionTraffic(total, routed, host_share, bandwidth, total / (engine_devices * bandwidth),
+    held = (KEEP_VERSIONS + 1) * math.ceil(total / learner_devices)
+    return VersionTraffic(total, routed, host_share, held, bandwidth, total / (engine_devices * bandwidth),
                           engines * total / (learner_devices * bandwidth))
 
 
