@@ -258,8 +258,8 @@ def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
 
 
 RL_OVERRIDES = [*TINY, "rollout.transport=directory", "rl.max_staleness=0", "rl.steps=3", "rl.kl_coef=0.05",
-                "eval.every=0", "checkpoint.every=1", "rollout.engine_timeout_s=600", "rollout.max_new_tokens=12",
-                "rl.max_tokens=12"]
+                "eval.every=0", "checkpoint.every=1", "checkpoint.keep=4", "rollout.engine_timeout_s=600",
+                "rollout.max_new_tokens=12", "rl.max_tokens=12"]
 
 
 def _rl_engines(run_dir: Path, overrides) -> list[subprocess.Popen]:
@@ -285,9 +285,9 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     both and assembles its own layout. Trains as one learner process with 8 devices does (the parity tasks
     of tests/rl_parity.py: rewards and flagged turns from a near-random policy): the same batches (staleness
     0: each batch sampled with the weights of the step before), the same losses step for step; process 0
-    alone reports and writes the metrics. The checkpoint both saved restores in one process: the float
-    engine's last weights are its weights bit for bit, the INT4 engine's the reference quantizer's words
-    and scales of them."""
+    alone reports and writes the metrics. The checkpoint both saved restores in one process; at every version
+    each engine took, the float engine held the checkpoint's weights of that step bit for bit, the INT4
+    engine the reference quantizer's words and scales of them."""
     from flax import nnx
 
     from composer_jax.source_weights import open_model
@@ -343,25 +343,28 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
         offered = set(offered_weights(restored.cfg, restored.learner))     # float and INT4 experts
     finally:
         restored.checkpoints.close()
-    # Each engine's last version V (the checkpoint of step V, opened in one process as `composer-jax eval` opens
-    # a run): the float engine held its weights bit for bit, the INT4 engine the reference quantizer's words
-    # and scales of them.
-    for k in range(2):
-        version = max(int(p.stem.split("-")[1]) for p in two.glob(f"engine{k}-*.npz"))
-        at_version = tmp_path / f"two-at-{version}"
-        shutil.copytree(two, at_version, ignore=lambda _, names: [n for n in names if n.isdigit() and int(n) > version])
+    # Every version V each engine took, against the checkpoint of step V (version 0: the run it started from),
+    # opened in one process as `composer-jax eval` opens a run: the float engine held its weights bit for bit,
+    # the INT4 engine the reference quantizer's words and scales of them.
+    taken = {k: sorted(int(p.stem.split("-")[1]) for p in two.glob(f"engine{k}-*.npz")) for k in range(2)}
+    assert taken[0][:2] == [0, 2] and taken[1][:1] == [1], taken     # engine k samples batches k, k + 2, ...
+    for version in sorted(set(taken[0]) | set(taken[1])):
+        at_version = tmp_path / "source" if version == 0 else tmp_path / f"two-at-{version}"
+        if version:
+            shutil.copytree(two, at_version, ignore=lambda _, names: [n for n in names if n.isdigit() and int(n) > version])
         opened = open_model(at_version)
-        assert opened.description == f"training run {at_version}, step {version}"
-        want = nnx.state(opened.model)
-        if k == 0:
-            want = quantize_experts(nnx.to_flat_state(want), routed_expert_paths(opened.model))
-        want = flat_parameters(want)
-        with np.load(two / f"engine{k}-{version}.npz") as held:
-            assert set(held) == set(want) and set(held) <= offered, k
-            assert any(name.endswith(".packed") for name in held) == (k == 0), k
-            for name in held:
-                got, ref = held[name], np.asarray(want[name])     # (bfloat16 scales come back as raw 2-byte items)
-                assert got.shape == ref.shape and got.tobytes() == ref.tobytes(), f"engine {k}: {name}"
+        assert version == 0 or opened.description == f"training run {at_version}, step {version}"
+        for k in (k for k in range(2) if version in taken[k]):
+            want = nnx.state(opened.model)
+            if k == 0:
+                want = quantize_experts(nnx.to_flat_state(want), routed_expert_paths(opened.model))
+            want = flat_parameters(want)
+            with np.load(two / f"engine{k}-{version}.npz") as held:
+                assert set(held) == set(want) and set(held) <= offered, k
+                assert any(name.endswith(".packed") for name in held) == (k == 0), k
+                for name in held:
+                    got, ref = held[name], np.asarray(want[name])     # (bfloat16 scales: raw 2-byte items)
+                    assert got.shape == ref.shape and got.tobytes() == ref.tobytes(), f"engine {k}, {version}: {name}"
 
 
 def test_a_weight_version_costs_each_learner_process_its_own_shards_not_the_model(tmp_path):
