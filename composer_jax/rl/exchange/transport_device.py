@@ -161,7 +161,7 @@ class DeviceWeightServer:
         version = json.loads(request.read_text())["version"]
         with self._lock:
             if version not in self._held:
-                if self._held and version > max(self._held):
+                if not self._held or version > max(self._held):
                     return          # this process is behind the one that announced it: answered once offered
                 answer = {"gone": True}
             else:
