@@ -280,8 +280,10 @@ class DeviceWeightClient:
         """The engine device a piece of parameter i lands on: the first whose block holds it, else the one
         whose block overlaps it most."""
         shape = self._like[i].shape
-        overlaps = [(_size(_overlap(block, _block(index, shape)) or ()) if shape else 1, device)
-                    for device, index in self._targets[i].items()]
+        overlaps = []
+        for device, index in self._targets[i].items():
+            both = _overlap(block, _block(index, shape))
+            overlaps.append((0 if both is None else _size(both), device))
         return max(overlaps, key=lambda o: o[0])[1]
 
     def _assemble(self, i: int, pieces: list[tuple[Block, jax.Array]]) -> jax.Array:
