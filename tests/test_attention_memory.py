@@ -2,6 +2,8 @@
 device, batch 1): linear in the sequence with blockwise attention where the dense reference grows
 quadratically; per-layer remat keeps the values and lowers it; a 16K-token sequence trains on CPU."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 
 from composer_jax import load_config
 from composer_jax.config import MeshConfig
-from composer_jax.parallel import DualMesh
+from composer_jax.parallel import DualMesh, shard_model
 from composer_jax.train import step as step_lib
 from composer_jax.train.config import RunConfig, TrainConfig
 from composer_jax.train.state import StateLayout
@@ -74,13 +76,19 @@ def test_per_layer_remat_lowers_temp_memory(temps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["reference", "blockwise"])
-def test_per_layer_remat_keeps_loss_and_gradients(attention):
-    cfg = load_config("tiny", [f"attention={attention}"])
+@pytest.mark.parametrize("attention, dual", [("reference", False), ("blockwise", False), ("blockwise", True)])
+def test_per_layer_remat_keeps_loss_and_gradients(attention, dual):
+    """Unplaced, and on the 8-device dual grid with the one-hot dispatch under the expert mesh's shard_map
+    (whose values 'dots' does not keep: JAX would check them against the dense mesh and fail)."""
+    cfg = load_config("tiny", [f"attention={attention}", *(["moe.dispatch=dense"] if dual else [])])
     model = random_model(cfg, seed=1)
+    rows = 2
+    if dual:
+        dual = DualMesh(MeshConfig(), model=cfg)
+        model, rows = shard_model(model, dual), 8
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 256, (2, 48)).astype(np.int32)
-    segments = (np.arange(48)[None] >= np.array([[20], [31]])).astype(np.int32)
+    tokens = rng.integers(0, 256, (rows, 48)).astype(np.int32)
+    segments = (np.arange(48)[None] >= rng.integers(1, 48, (rows, 1))).astype(np.int32)
 
     @nnx.jit(static_argnames="remat")
     def run(model, remat):
@@ -89,13 +97,16 @@ def test_per_layer_remat_keeps_loss_and_gradients(attention):
             return jnp.mean(model.logits(out.hidden) ** 2) + jnp.mean(out.mtp_hidden ** 2)
         return nnx.value_and_grad(loss)(model)
 
-    plain_loss, plain_grads = run(model, "none")
+    context = dual if dual else contextlib.nullcontext()
+    with context:
+        plain_loss, plain_grads = run(model, "none")
     for policy in ("dots", "full"):
-        loss, grads = run(model, policy)
+        with context:
+            loss, grads = run(model, policy)
         np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
         for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(plain_grads)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="remat='partial': expected 'none' or one of dots, full"):
+    with context, pytest.raises(ValueError, match="remat='partial': expected 'none' or one of dots, full"):
         run(model, "partial")
 
 

@@ -18,10 +18,25 @@ from composer_jax.model.layers import MLP, RMSNorm, stack_axes
 from composer_jax.model.moe import ROUTED_EXPERTS, MoE
 from composer_jax.model.quant import entries, leading
 
+
+
+def _dots_outside_shard_map(prim, *avals, **params) -> bool:
+    """'dots', but nothing inside a shard_map (values typed on a mesh with manual axes: the expert
+    dispatch, the attention kernels) is kept: JAX checks such a residual's spec against the context mesh
+    (the dense one) instead of the shard_map's own, and the expert mesh's axes are not in it. The matmuls
+    there are recomputed."""
+    for aval in avals:
+        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+        if mesh is not None and jax.sharding.AxisType.Manual in getattr(mesh, "axis_types", ()):
+            return False
+    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params)
+
+
 # train.remat / rl.remat -> the jax.checkpoint policy of each layer: what its backward pass keeps besides
 # the layer's input ('dots': the outputs of matmuls without batch dimensions, i.e. the weight
-# projections; 'full': nothing, None being jax.checkpoint's default). 'none' keeps everything.
-REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "full": None}
+# projections, outside shard_maps; 'full': nothing, None being jax.checkpoint's default). 'none' keeps
+# everything.
+REMAT_POLICIES = {"dots": _dots_outside_shard_map, "full": None}
 
 
 class DecoderLayer(nnx.Module):

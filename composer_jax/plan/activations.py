@@ -18,8 +18,9 @@ programs, tests/test_plan.py):
   the three, as `attention_ops.choose` would pick it on the planned platform (`planned_attention`);
 - an FSDP-sharded weight is all-gathered for use and the gathered copy is kept for the backward.
 Rematerialisation per layer (`train.remat`): `none` keeps all of that; `dots` keeps the outputs of the
-projections (matmuls without batch dimensions: `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`)
-and recomputes the rest; `full` keeps each layer's input only and recomputes the layer in its backward.
+projections (matmuls without batch dimensions, outside shard_maps: `model.decoder.REMAT_POLICIES`; the
+routed experts' matmuls, in the dispatch's shard_map, are recomputed) and recomputes the rest; `full`
+keeps each layer's input only and recomputes the layer in its backward.
 
 Backend-specific working memory of the grouped matmuls (`dispatch.grouped_swiglu`): on CPU they run
 in blocks of rows of one expert, each block with a copy of its expert's matrices (`"blocked"`); elsewhere

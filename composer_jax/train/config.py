@@ -80,9 +80,7 @@ class TrainConfig:
     batch_size: int = 16              # rows per optimizer step (all devices, all micro-batches)
     seq_len: int = 128                # tokens per packed row
     grad_accum: int = 1               # micro-batches per step; batch_size must divide evenly
-    # per layer: recompute in the backward (dots: keep matmuls). Known limit: dots with a dispatch other than
-    # ep_a2a / ep_ragged on several devices fails inside JAX (a shard_map under a saving remat policy): use full
-    remat: Literal["none", "full", "dots"] = "none"
+    remat: Literal["none", "full", "dots"] = "none"   # per layer: recompute in the backward (dots: keep matmuls)
     loss_chunk: int = 512             # sequence positions per cross-entropy chunk: [batch, chunk, vocab] logits
     mtp_distill_weight: float = 0.1   # MTP self-distillation KL toward the main head (stop-gradient)
     log_every: int = 10               # metrics (and throughput) every N steps: the host syncs only then
