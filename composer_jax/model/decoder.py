@@ -19,7 +19,6 @@ from composer_jax.model.moe import ROUTED_EXPERTS, MoE
 from composer_jax.model.quant import entries, leading
 
 
-
 def _dots_outside_shard_map(prim, *avals, **params) -> bool:
     """'dots', but nothing inside a shard_map (values typed on a mesh with manual axes: the expert
     dispatch, the attention kernels) is kept: JAX checks such a residual's spec against the context mesh

@@ -32,13 +32,14 @@ class EngineWeights(str):
     @classmethod
     def from_config(cls, value, key: str) -> str | tuple[str, ...]:
         if not isinstance(value, (list, tuple)):
-            value, key = [value], [key]
-        else:
-            key = [f"{key}[{i}]" for i in range(len(value))]
-        for v, k in zip(value, key):
-            if v not in ENGINE_WEIGHTS:
-                raise ConfigError(k, f"expected learner or int4, or a list of them (one per engine), got {v!r}")
-        return tuple(value) if len(key) > 1 or key[0].endswith("]") else value[0]
+            return _engine_weights(value, key)
+        return tuple(_engine_weights(v, f"{key}[{i}]") for i, v in enumerate(value))
+
+
+def _engine_weights(value, key: str) -> str:
+    if value not in ENGINE_WEIGHTS:
+        raise ConfigError(key, f"expected learner or int4, or a list of them (one per engine), got {value!r}")
+    return value
 
 
 ENGINE_WEIGHTS = ("learner", "int4")
@@ -246,8 +247,8 @@ class RLRunConfig:
     def engine_model(self, engine: int = 0) -> ModelConfig:
         """The model rollout engine `engine` runs: the learner's, with INT4 routed experts where its
         rollout.weights is int4."""
-        weights = self.rollout.weights
-        if (weights if isinstance(weights, str) else weights[engine]) == "learner" or self.model.moe.expert_quant == "int4":
+        weights = self.rollout.weights if isinstance(self.rollout.weights, str) else self.rollout.weights[engine]
+        if weights == "learner" or self.model.moe.expert_quant == "int4":
             return self.model
         try:
             return dataclasses.replace(self.model, moe=dataclasses.replace(self.model.moe, expert_quant="int4"))

@@ -202,7 +202,7 @@ class DeviceWeightClient:
     `alive()` is False once the session ended; waits end after timeout_s."""
 
     def __init__(self, session_dir: Path, like, alive: Callable[[], bool], timeout_s: float, engine: int = 0):
-        self.dir, self.like, self.alive, self.timeout_s, self.engine = session_dir, like, alive, timeout_s, engine
+        self.dir, self.alive, self.timeout_s, self.engine = session_dir, alive, timeout_s, engine
         flat = flat_parameters(like)
         self._names, self._like = list(flat), list(flat.values())
         self._treedef = jax.tree_util.tree_structure(like)
@@ -229,11 +229,9 @@ class DeviceWeightClient:
         request = numbered_file(self.dir / "pulls" / str(self.engine), next(self._requests), ".json")
         write_json(request, {"version": version})
         answers = [self._answer(request, p, version) for p in range(announced["processes"])]
-        pulled = None if any(a is None for a in answers) else [[] for _ in self._names]
+        scheduled = {p: a for p, a in enumerate(answers) if a is not None and not a.get("gone")}
         ready, keep = [], []
-        for process, answer in enumerate(answers):
-            if answer is None or answer.get("gone"):
-                continue
+        for process, answer in scheduled.items():
             address = json.loads((self.dir / "servers" / f"{process}.json").read_text())["address"]
             if address not in self._connections:
                 self._connections[address] = self._server.connect(address)
@@ -249,8 +247,9 @@ class DeviceWeightClient:
             [c.pull(uuid, structs) for c, uuid, structs in ready]), f"the pull of version {version}")
         for path in request.parent.glob(f"{request.stem}.*"):      # the request and its answers
             path.unlink(missing_ok=True)
-        if pulled is None or any(a.get("gone") for a in answers):
+        if len(scheduled) < len(answers):       # the session ended, or a newer version replaced this one
             return None
+        pulled = [[] for _ in self._names]
         for pieces, got in zip(keep, arrays):
             for (i, block), array in zip(pieces, got):
                 pulled[i].append((block, array))
@@ -302,7 +301,7 @@ class DeviceWeightClient:
     @staticmethod
     def _block(block: Block, pieces, dtype, device) -> jax.Array:
         """One block of a parameter on `device`, from the pieces that overlap it."""
-        parts = [(_overlap(block, b) if block else (), b, a) for b, a in pieces]
+        parts = [(_overlap(block, b), b, a) for b, a in pieces]
         parts = [(o, b, a) for o, b, a in parts if o is not None]
         if len(parts) == 1 and parts[0][0] == block == parts[0][1]:
             return jax.device_put(parts[0][2], device)

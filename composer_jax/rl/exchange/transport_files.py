@@ -24,7 +24,7 @@ SUFFIX = ".weights"         # a version's directory (orbax writes it under a tem
 def _names(tree) -> tuple[list[str], list, object]:
     """(parameter names, leaves, treedef) of a parameter tree: the flat names a version's arrays have."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [path_str(p).replace("/", ".") for p, _ in leaves], [x for _, x in leaves], treedef
+    return [path_str(p, ".") for p, _ in leaves], [x for _, x in leaves], treedef
 
 
 class FileWeightServer:
