@@ -188,3 +188,14 @@ def test_the_cuda_plugin_without_a_driver_starts_quietly_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
                           check=True)
     assert proc.stderr == "" and proc.stdout.count("CpuDevice") == 2, (proc.stdout, proc.stderr[-2000:])
+
+
+def test_the_cli_collects_garbage_less_often():
+    """`python -m composer_jax.cli` (as the `composer-jax` script) runs with GC_THRESHOLDS, read as the
+    process exits; Python's defaults before."""
+    script = ("import atexit, gc, runpy, sys; print(gc.get_threshold()); "
+              "atexit.register(lambda: print(gc.get_threshold())); sys.argv = ['composer-jax', '--help']; "
+              "runpy.run_module('composer_jax.cli', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.splitlines()
+    assert out[0] == "(700, 10, 10)" and out[-1] == str(cpu_devices.GC_THRESHOLDS)

@@ -163,7 +163,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
-    study = Study(args.out, SCALES[args.scale], args.seeds, args.quiet)
+    # Absolute: the training sample links its tasks by path, and each phase's argv names its directories.
+    study = Study(args.out.resolve(), SCALES[args.scale], args.seeds, args.quiet)
     names = [name for name, _ in study.phases()]
     if args.until is not None and args.until not in names:
         p.error(f"--until: no phase {args.until!r} (the phases: {', '.join(names)})")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from composer_jax.cpu_devices import restart_with_huge_pages, use_cpu_devices  # noqa: E402
+from composer_jax.cpu_devices import collect_garbage_less_often, restart_with_huge_pages, use_cpu_devices  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -62,4 +62,5 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     restart_with_huge_pages()   # as `composer-jax` runs
+    collect_garbage_less_often()
     sys.exit(main())
