@@ -177,7 +177,7 @@ def test_group_stops_together_resumes_and_outlives_a_dead_peer(tmp_path):
     is killed (SIGKILL) and process 0, in the step's collectives (which may hang or fail), exits with one
     line naming process 1 within the peer timeout (JAX's own heartbeat would abort later, with a C++
     stack trace). Only process 0 wrote the run's config and metrics, each step once."""
-    peer_timeout, run = 20, tmp_path / "run"
+    peer_timeout, run = 12, tmp_path / "run"   # beats every 2 s; the wait after the kill is idle time
     metrics = run / "metrics.jsonl"
     procs = _launch(_pretrain_argv(tmp_path, _free_port(), peer_timeout))
     _await_steps(procs, metrics, 2)
