@@ -109,3 +109,16 @@ def test_turn_fit_finds_each_assistant_turn_as_the_renderer_marks_it():
     spans = sft_turn_fit.turn_spans(mask)
     assert [tokenizer.decode(tokens[s].tolist()) for s in spans] == [t for t, trained in render(messages) if trained]
     assert len(spans) == 3 and sft_turn_fit.turn_spans(np.zeros(4, np.int32)) == []
+
+
+def test_a_relative_out_links_its_training_sample_to_tasks_that_resolve(tmp_path, monkeypatch):
+    """`experiment_coding.py study` (a relative OUT): the training sample's links lead to the gym's tasks."""
+    import experiment_coding
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("held-out/h1", "t1", "t2"):
+        (tmp_path / "study" / "gym" / name).mkdir(parents=True)
+        (tmp_path / "study" / "gym" / name / "task.json").write_text("{}")
+    study = experiment_coding.Study(Path("study"), experiment_coding.SCALES["smoke"], 1, quiet=True)
+    sample = study.train_sample()
+    assert [p.name for p in sample.iterdir()] == ["t1"] and (sample / "t1" / "task.json").is_file()

@@ -64,9 +64,10 @@ SCALES = {
 
 class Study:
     def __init__(self, out: Path, scale: Scale, seeds: int, quiet: bool):
-        self.out, self.scale, self.seeds, self.quiet = out, scale, seeds, quiet
-        self.gym, self.runs, self.evals = out / "gym", out / "runs", out / "evals"
-        self.done = out / "done"
+        # Absolute: the training sample links its tasks by path (a relative OUT made links that did not resolve).
+        self.out, self.scale, self.seeds, self.quiet = out.resolve(), scale, seeds, quiet
+        self.gym, self.runs, self.evals = self.out / "gym", self.out / "runs", self.out / "evals"
+        self.done = self.out / "done"
 
     def phase(self, name: str, *argv) -> None:
         """Run `composer-jax ARGV` as phase `name` unless it finished before; a failure stops the study
@@ -163,8 +164,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be at least 1")
-    # Absolute: the training sample links its tasks by path, and each phase's argv names its directories.
-    study = Study(args.out.resolve(), SCALES[args.scale], args.seeds, args.quiet)
+    study = Study(args.out, SCALES[args.scale], args.seeds, args.quiet)
     names = [name for name, _ in study.phases()]
     if args.until is not None and args.until not in names:
         p.error(f"--until: no phase {args.until!r} (the phases: {', '.join(names)})")
