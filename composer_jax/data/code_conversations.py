@@ -5,11 +5,9 @@ answers with its source), which gives an SFT set from any code tree, e.g. the st
 from __future__ import annotations
 
 import ast
-import threading
 
+from composer_jax import python_ast
 from composer_jax.data.chat import TEMPLATE_CHARS
-
-_AST_LOCK = threading.Lock()
 
 
 def python_function_conversations(source: str, path: str, max_turns: int = 3,
@@ -21,8 +19,7 @@ def python_function_conversations(source: str, path: str, max_turns: int = 3,
     order), at most `max_turns` of them, while the conversation stays under `max_chars` characters.
     """
     try:
-        with _AST_LOCK:  # CPython 3.11's parser is not safe across grain's reader threads
-            tree = ast.parse(source)
+        tree = python_ast.parse(source)   # grain's reader threads share the parser
     except (SyntaxError, ValueError, SystemError, RecursionError, MemoryError):
         return None
     lines = source.splitlines()
@@ -40,8 +37,7 @@ def python_function_conversations(source: str, path: str, max_turns: int = 3,
             continue
         indent = len(lines[start]) - len(lines[start].lstrip())
         body = "\n".join(line[indent:] for line in body.splitlines())
-        with _AST_LOCK:
-            signature = f"def {node.name}({ast.unparse(node.args)})"
+        signature = f"def {node.name}({python_ast.unparse(node.args)})"
         ask = f"In `{path}`, write `{signature}`:\n\n{doc}"
         if used + len(ask) + len(body) + TEMPLATE_CHARS > max_chars:
             continue

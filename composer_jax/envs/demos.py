@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from composer_jax import python_ast
 from composer_jax.envs.coding import CodingEnv, CodingEnvConfig
 from composer_jax.envs.feedback import NO_ACTION, OUTPUT_LIMIT, UNKNOWN_TOOL, Flag, flags_for_errors, hint_for
 from composer_jax.envs.protocol import FORMATS, ToolCall, get_format, parse_turn
@@ -176,7 +177,7 @@ def _change_calls(change: FileChange, tools: tuple[str, ...]) -> list[tuple[str,
 def _written_functions(before: str, after: str) -> list[str]:
     """The functions (methods included) of `after` whose source is not in `before`, in source order."""
     def sources(text: str) -> list[tuple[str, str]]:
-        nodes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        nodes = [n for n in ast.walk(python_ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
         return [(n.name, ast.get_source_segment(text, n)) for n in sorted(nodes, key=lambda n: n.lineno)]
     try:
         old = {source for _, source in sources(before)}

@@ -18,6 +18,8 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
+from composer_jax import python_ast
+
 STUB = "raise NotImplementedError"
 NOT_DELETED_DECORATORS = {"abstractmethod", "abstractproperty", "overload"}
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -62,7 +64,7 @@ def find_definitions(path: str, source: str) -> list[Definition]:
                 found.append(Definition(path, qualname, "class", node, owner))
                 visit(node.body, qualname)
 
-    visit(ast.parse(source).body, None)
+    visit(python_ast.parse(source).body, None)
     return found
 
 
@@ -259,7 +261,7 @@ def plan_deletion(feature: Definition, definitions: list[Definition], source: st
         removed[:0] = lines[start - 1:end]
         new[start - 1:end] = replacement
     modified = "".join(new)
-    ast.parse(modified)  # stubs and whole removals keep the module valid: a SyntaxError here is a bug
+    python_ast.parse(modified)  # stubs and whole removals keep the module valid: a SyntaxError here is a bug
     return Deletion(feature=feature, stubbed=tuple(spans), helpers=tuple(helpers),
                     files=(FileEdit(feature.path, source, modified),), removed=tuple(removed),
                     strings=frozenset(strings_in([s for d in spans for s in _deleted_body(d.node)] +

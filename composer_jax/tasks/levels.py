@@ -24,6 +24,7 @@ import dataclasses
 import textwrap
 from collections import Counter, defaultdict
 
+from composer_jax import python_ast
 from composer_jax.tasks.features import (
     Definition,
     Deletion,
@@ -61,7 +62,7 @@ class RepoIndex:
     @classmethod
     def build(cls, texts, definitions, tests_of, at_import, counts) -> RepoIndex:
         return cls(texts, definitions, tests_of, at_import, counts,
-                   {path: _import_statements(ast.parse(texts[path])) for path in definitions})
+                   {path: _import_statements(python_ast.parse(texts[path])) for path in definitions})
 
 
 def _import_statements(tree: ast.Module) -> Imports:
@@ -181,7 +182,7 @@ def _rewrite(source: str, dropped: set[int], imports: dict[ast.stmt, list[ast.al
     def gone(node: ast.AST) -> bool:
         return set(_lines_of(node)) <= drop and node.lineno not in rewritten
 
-    for node in ast.walk(ast.parse(source)):   # parents before children: a block inside removed code is skipped
+    for node in ast.walk(python_ast.parse(source)):   # parents before children: a block inside removed code is skipped
         if isinstance(node, ast.Module) or hasattr(node, "end_lineno") and gone(node):
             continue
         for field in ("body", "orelse", "finalbody"):
@@ -205,7 +206,7 @@ def _remove(level: str, feature: Definition, gone_defs: list[Definition], index:
             drop_empty_modules: bool) -> Deletion | str:
     """Remove `gone_defs` whole (and, with `drop_empty_modules`, the modules they leave empty), and the
     imports of them elsewhere."""
-    trees = {path: ast.parse(index.texts[path]) for path in {d.path for d in gone_defs}}
+    trees = {path: python_ast.parse(index.texts[path]) for path in {d.path for d in gone_defs}}
     dropped: dict[str, set[int]] = defaultdict(set)
     for d in gone_defs:
         start, end = whole_span(d, index.texts[d.path].splitlines(True))
@@ -223,7 +224,7 @@ def _remove(level: str, feature: Definition, gone_defs: list[Definition], index:
             continue
         modified, lost = _rewrite(original, dropped.get(path, set()), imports.get(path, {}))
         try:
-            ast.parse(modified)
+            python_ast.parse(modified)
         except SyntaxError:
             return "edit_breaks_syntax"
         files.append(FileEdit(path, original, modified))
@@ -243,7 +244,7 @@ def test_source(texts: dict[str, str], node_id: str) -> str | None:
     """The source of the test function a pytest node id names (parameters aside), or None."""
     path, *names = node_id.split("[", 1)[0].split("::")
     try:
-        body = ast.parse(texts.get(path, "")).body
+        body = python_ast.parse(texts.get(path, "")).body
     except SyntaxError:
         return None
     node = None

@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import re
 
+from composer_jax import python_ast
 from composer_jax.tasks.features import Definition
 from composer_jax.tasks.format import MUTATIONS
 
@@ -305,7 +306,7 @@ def find_mutations(source: str, definitions: list[Definition], kinds: tuple[str,
     """The mutations of `kinds` inside the bodies of `definitions` (functions and methods of the module
     `source`), in source order; and how many sites were skipped as edit_mismatch. A site nested in a
     function that is itself one of `definitions` belongs to the innermost one."""
-    tree = ast.parse(source)
+    tree = python_ast.parse(source)
     src = _Source(source)
     functions = sorted((d for d in definitions if d.kind in ("function", "method")), key=lambda d: d.start)
     # the definitions' nodes come from their own parse of `source`: find them in this one
@@ -336,7 +337,7 @@ def find_mutations(source: str, definitions: list[Definition], kinds: tuple[str,
             change(twin_node, _parent_of(twin, twin_node))
             edited = source[top_lo:lo] + text + source[hi:top_hi]
             try:
-                ok = ast.dump(ast.parse(edited).body[0]) == ast.dump(twin) != ast.dump(top)
+                ok = ast.dump(python_ast.parse(edited).body[0]) == ast.dump(twin) != ast.dump(top)
             except SyntaxError:
                 ok = False
             if ok:
