@@ -155,7 +155,7 @@ def test_ep_a2a_dropless_equals_dense_and_reports_drops(mesh_cfg):
     assert dropped == 0
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(load, np.bincount(idx.reshape(-1), minlength=16))
-    for kind in ("ragged", "dense"):  # the replicated-experts backends on the mesh agree too
+    for kind in ("ragged", "dense", "gather", "blocked"):  # the replicated-experts backends on the mesh agree too
         np.testing.assert_allclose(_run_sharded(kind, 0.0, mesh_cfg, case)[0], ref, rtol=1e-5, atol=1e-5)
 
     # Capacity factor 1: each device pair gets its even share of slots; the skewed expert overflows.

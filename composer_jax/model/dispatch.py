@@ -190,7 +190,7 @@ def gather(x: jax.Array, weights: jax.Array, idx: jax.Array, w: ExpertWeights) -
         return y.at[token].add(weight * apply_expert(w, expert, _swiglu, x[token]).astype(jnp.float32)), None
 
     owners = jnp.repeat(jnp.arange(tokens), k)
-    y, _ = jax.lax.scan(assignment, jnp.zeros(x.shape, jnp.float32), (owners, idx.reshape(-1), weights.reshape(-1)))
+    y, _ = jax.lax.scan(assignment, jnp.zeros_like(x, jnp.float32), (owners, idx.reshape(-1), weights.reshape(-1)))
     return y.astype(x.dtype)
 
 
