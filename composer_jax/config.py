@@ -174,6 +174,9 @@ class ModelConfig:
     # Attention implementation for training and prefill (composer_jax.model.attention_ops): reference
     # (dense scores), blockwise (memory linear in the sequence), cudnn (NVIDIA GPUs, bfloat16), auto.
     attention: Literal["auto", "reference", "blockwise", "cudnn"] = "auto"
+    # How a stack of layers runs (composer_jax.model.decoder.unrolls): scan (a lax.scan: compile time flat
+    # in the depth), unroll (one layer after another), auto (unroll on CPU up to 8 layers, else scan).
+    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "intermediate_size"):
@@ -236,8 +239,8 @@ def check_fits_model(key: str, length: int, model: ModelConfig) -> None:
 # Model keys a run may set differently from the source it starts from (`train.init_from`, RL's
 # `init_from`): how the model runs, or what a phase changes on purpose (RoPE scaling extends the context;
 # MTP depths the source lacks are initialised fresh). Every other key is the source's architecture.
-RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "moe.expert_quant", "attention", "dtype",
-                "param_dtype", "mtp.num_layers", "mtp.loss_weight", "rope.")
+RUNTIME_KEYS = ("moe.dispatch", "moe.capacity_factor", "moe.bias_update_rate", "moe.expert_quant", "attention",
+                "layer_loop", "dtype", "param_dtype", "mtp.num_layers", "mtp.loss_weight", "rope.")
 
 
 def flat_dict(data: dict, prefix: str = "") -> dict:

@@ -1,5 +1,6 @@
 """Model unit tests: router, YaRN, dispatch backends, packing, MTP, input errors, abstract lowering."""
 
+import contextlib
 import math
 import time
 
@@ -10,8 +11,11 @@ import pytest
 from flax import nnx
 
 from composer_jax import CausalLM, config, load_config
-from composer_jax.model import dispatch, rope
+from composer_jax.config import MeshConfig
+from composer_jax.model import decoder, dispatch, rope
 from composer_jax.model.router import expert_load, route, updated_bias
+from composer_jax.parallel import DualMesh, shard_model
+from tests.random_models import random_model
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +237,42 @@ def test_prefix_latents_equal_full_context(tiny):
     np.testing.assert_allclose(np.asarray(with_prefix), np.asarray(full), atol=1e-5)
     with pytest.raises(ValueError, match=r"prefix.c_kv has shape \[4, 2, 20, 31\]"):
         model.forward(new, prefix=cache._replace(c_kv=cache.c_kv[..., :31]))
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_unrolled_layers_equal_the_scan(placed):
+    """Layers one after another (`layer_loop=unroll`) against the `lax.scan` over the stacks: the same
+    loss and gradients, unplaced and on the 8-device dual grid (every stacked leaf sliced on its own
+    mesh, the expert weights on the expert grid's)."""
+    results = []
+    for loop in ("scan", "unroll"):
+        cfg = load_config("tiny", [f"layer_loop={loop}"])
+        model, rows = random_model(cfg, seed=1), 2
+        dual = DualMesh(MeshConfig(), model=cfg) if placed else None
+        if placed:
+            model, rows = shard_model(model, dual), 8
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 256, (rows, 32)).astype(np.int32)
+        segments = (np.arange(32)[None] >= rng.integers(1, 32, (rows, 1))).astype(np.int32)
+
+        def loss(model):
+            out = model.forward(tokens, segments)
+            return jnp.mean(model.logits(out.hidden) ** 2) + jnp.mean(out.mtp_hidden ** 2)
+
+        with dual if placed else contextlib.nullcontext():
+            results.append(nnx.jit(nnx.value_and_grad(loss))(model))
+    (scan_loss, scan_grads), (loss, grads) = results
+    np.testing.assert_allclose(float(loss), float(scan_loss), rtol=1e-6)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(scan_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_layer_loop_rule(monkeypatch):
+    """`auto` unrolls on CPU up to MAX_UNROLLED_LAYERS layers without remat, scans elsewhere; an explicit
+    setting always wins."""
+    assert decoder.unrolls("auto", 3, "none") and decoder.unrolls("auto", decoder.MAX_UNROLLED_LAYERS, "none")
+    assert not decoder.unrolls("auto", decoder.MAX_UNROLLED_LAYERS + 1, "none")
+    assert not decoder.unrolls("auto", 3, "full") and not decoder.unrolls("auto", 3, "dots")
+    assert decoder.unrolls("unroll", 61, "full") and not decoder.unrolls("scan", 1, "none")
+    monkeypatch.setattr(decoder, "platform", lambda: "gpu")
+    assert not decoder.unrolls("auto", 3, "none") and decoder.unrolls("unroll", 3, "none")

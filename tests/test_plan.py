@@ -219,7 +219,7 @@ def test_kimi_verdicts_per_layout_and_sequence_length(tmp_path, capsys):
     (["mesh.fsdp=3"], "config key 'replica': replica=1 x fsdp=3 x cp=1 = 3 devices, but there are 8: try mesh.fsdp=8"),
     (["model.bogus=1"], ("config key 'model.bogus': unknown key for ModelConfig; valid keys: vocab_size, hidden_size, "
                          "num_layers, num_dense_layers, intermediate_size, mla, rope, moe, mtp, rms_norm_eps, dtype, "
-                         "param_dtype, attention (command-line override model.bogus=1)")),
+                         "param_dtype, attention, layer_loop (command-line override model.bogus=1)")),
     (["mesh.cp=2", "--seq-lens", "6,128", "--layout", "fsdp=4,cp=2"], None),
 ])
 def test_plan_command_errors(argv, message, capsys):

@@ -153,7 +153,7 @@ def test_config_takes_the_sources_architecture_and_refuses_to_change_it(hf_dir, 
     assert capsys.readouterr().err.strip() == (
         f"composer-jax config: error: config key 'model.hidden_size': is 128, but the source {path} has 64: a run "
         "keeps its source's architecture (it may change only moe.dispatch, moe.capacity_factor, moe.bias_update_rate, "
-        "moe.expert_quant, attention, dtype, param_dtype, mtp.num_layers, mtp.loss_weight and rope.*) (command-line override "
+        "moe.expert_quant, attention, layer_loop, dtype, param_dtype, mtp.num_layers, mtp.loss_weight and rope.*) (command-line override "
         "model.hidden_size=128)")
 
 

@@ -1,8 +1,8 @@
 """The decoder layer and scanned layer stacks, shared by the main model and the MTP depths.
 
 Layers of one kind are created stacked with `nnx.vmap`, so every parameter gains a leading `layers`
-axis, and run with `jax.lax.scan`: compile time does not grow with depth, and the stacked leaves double
-as Muon batches.
+axis (the stacked leaves double as Muon batches), and run with `jax.lax.scan` (compile time does not
+grow with depth) or, where that is faster, one layer after another (`model.layer_loop`, `unrolls`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.attention import MLA
-from composer_jax.model.dispatch import split_pays
+from composer_jax.model.dispatch import platform, split_pays
 from composer_jax.model.layers import MLP, RMSNorm, stack_axes
 from composer_jax.model.moe import ROUTED_EXPERTS, MoE
 from composer_jax.model.quant import entries, leading
+from composer_jax.parallel import leafwise
 
 
 def _dots_outside_shard_map(prim, *avals, **params) -> bool:
@@ -36,6 +37,27 @@ def _dots_outside_shard_map(prim, *avals, **params) -> bool:
 # projections, outside shard_maps; 'full': nothing, None being jax.checkpoint's default). 'none' keeps
 # everything.
 REMAT_POLICIES = {"dots": _dots_outside_shard_map, "full": None}
+# `layer_loop: auto` unrolls stacks of at most this many layers on CPU. The tiny model's training step
+# (its stacks of 1 and 3 layers) compiles no slower unrolled; each unrolled MoE layer beyond adds about
+# 0.4 s of compile at the suite's optimisation level (8 layers: 4.0 s against 2.6 s scanned, 16: 8.2 s
+# against 2.2 s), which a run's faster steps pay back only over many steps.
+MAX_UNROLLED_LAYERS = 8
+
+
+def unrolls(layer_loop: str, layers: int, remat: str) -> bool:
+    """Whether a stack of `layers` layers runs one layer after another rather than as a `lax.scan`.
+
+    'auto': on CPU, for at most MAX_UNROLLED_LAYERS layers and without remat (which is asked for to
+    bound memory: unrolled, XLA:CPU schedules the recomputation early and the tiny model's step kept
+    97% of its temporaries under 'full', against 38% scanned). XLA:CPU runs a scan's body on slices of the
+    stacked weights and writes every layer's residuals for the backward into zero-filled stacks
+    (`dynamic_update_slice`), then reads them back: a fifth of issue 41's held-out training step. One
+    after another, each layer's residuals are buffers of their own (the step 1.2x faster there, 1.06x
+    on the tiny recipe's; docs/training.md). Accelerators and deeper stacks scan: XLA's GPU and TPU
+    compilers update the stacks in place, and compile time stays flat in the depth."""
+    if layer_loop != "auto":
+        return layer_loop == "unroll"
+    return platform() == "cpu" and layers <= MAX_UNROLLED_LAYERS and remat == "none"
 
 
 class DecoderLayer(nnx.Module):
@@ -107,30 +129,46 @@ def unstack_layers(state: nnx.State) -> nnx.State:
                                 for p, v in nnx.to_flat_state(state)])
 
 
-def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, remat: str = "none", **kwargs):
+def _layer_entry(value, i: int):
+    """Layer `i` of a stacked leaf (an array or an Int4Matrix, sliced on its own mesh) or of an
+    `unstack_layers` tuple."""
+    if isinstance(value, tuple):
+        return value[i]
+    with leafwise.on_mesh(leafwise.mesh_of(jax.tree.leaves(value)[0])):
+        return leading(value, i)
+
+
+def scan_stack(stack: nnx.Module, carry, *args, per_layer: dict | None = None, remat: str = "none",
+               layer_loop: str = "auto", **kwargs):
     """Run `layer(carry, *args, **per_layer[i], **kwargs) -> (carry, out)` over a stacked module.
 
     per_layer: keyword inputs with a leading layers axis, sliced per layer. remat: what the backward
     pass keeps of each layer's forward (`REMAT_POLICIES`): with 'full' or 'dots' the layer body is
     recomputed per layer, so the stack keeps one layer's activations at a time plus each layer's input
-    (and, for 'dots', its matmul outputs). Returns (carry, stacked outs).
+    (and, for 'dots', its matmul outputs). layer_loop: 'scan', 'unroll' or 'auto' (`unrolls`); stacks
+    split by `unstack_layers` always run one layer after another. Returns (carry, stacked outs).
     """
     if remat != "none" and remat not in REMAT_POLICIES:
         raise ValueError(f"remat={remat!r}: expected 'none' or one of {', '.join(REMAT_POLICIES)}")
     graphdef, state = nnx.split(stack)
-    flat = list(nnx.to_flat_state(state))
-    if flat and isinstance(flat[0][1].get_value(), tuple):   # `unstack_layers`: one layer after another
-        outs = []
-        for i in range(len(flat[0][1].get_value())):
-            layer = nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in flat]))
-            carry, out = layer(carry, *args, **jax.tree.map(lambda a: a[i], per_layer or {}), **kwargs)
-            outs.append(out)
-        return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
     def body(carry, scanned):
         layer_state, sliced = scanned
         return nnx.merge(graphdef, layer_state)(carry, *args, **(sliced or {}), **kwargs)
 
+    flat = list(nnx.to_flat_state(state))
+    first = flat[0][1].get_value()
+    layers = len(first) if isinstance(first, tuple) else jax.tree.leaves(first)[0].shape[0]
+    scanned = not (isinstance(first, tuple) or unrolls(layer_loop, layers, remat))
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, carry, (state, per_layer))
+        # Outside a scan XLA would merge the backward's recomputation with the forward (CSE) and keep
+        # every layer's activations after all: there the recomputation is fenced off.
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scanned)
+    if scanned:
+        return jax.lax.scan(body, carry, (state, per_layer))
+    outs = []
+    for i in range(layers):
+        layer_state = nnx.from_flat_state([(p, v.replace(_layer_entry(v.get_value(), i))) for p, v in flat])
+        carry, out = body(carry, (layer_state, jax.tree.map(lambda a: _layer_entry(a, i), per_layer)))
+        outs.append(out)
+    return carry, jax.tree.map(lambda *o: jnp.stack(o), *outs)

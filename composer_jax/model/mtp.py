@@ -57,10 +57,11 @@ def shift_left(x: jax.Array, k: int, fill=0) -> jax.Array:
 
 
 class MTP(nnx.Module):
-    """D stacked MTP depths, run sequentially with a scan."""
+    """D stacked MTP depths, run sequentially (`scan_stack`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.num_depths = cfg.mtp.num_layers
+        self.layer_loop = cfg.layer_loop
         self.depths = create_stack(lambda r: MTPDepth(cfg, rngs=r), cfg.mtp.num_layers, rngs)
 
     def __call__(self, hidden, next_tokens, embed: Embed, cos, sin, mask, remat: str = "none", *,
@@ -76,7 +77,8 @@ class MTP(nnx.Module):
         emb = embed(next_tokens)
         if detach_inputs:
             hidden, emb = jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(emb)
-        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask, per_layer={"emb": emb}, remat=remat)
+        _, (mtp_hidden, stats) = scan_stack(self.depths, hidden, cos, sin, mask, per_layer={"emb": emb}, remat=remat,
+                                            layer_loop=self.layer_loop)
         return mtp_hidden, stats
 
     def depth(self, k: int) -> MTPDepth:

@@ -164,7 +164,7 @@ class CausalLM(nnx.Module):
             per_layer = None if prefix is None else {
                 "prefix": (prefix.c_kv[first:first + n], prefix.k_rope[first:first + n])}
             h, stats = scan_stack(stack, h, cos, sin, mask, per_layer=per_layer, remat=remat,
-                                  return_latents=return_latents, absorbed=absorbed)
+                                  layer_loop=self.cfg.layer_loop, return_latents=return_latents, absorbed=absorbed)
             first += n
             max_logits.append(stats["max_logits"])
             latents.append(stats.get("latent"))
