@@ -2,12 +2,15 @@
 `rl.exchange.engine_process.serve` on the parity tasks (tests/rl_parity.py), the run config `rl-tiny` with
 the overrides given; prints its summary as JSON. `--dump PREFIX`: every weight version V the engine takes is
 written to PREFIX-V.npz (parameter name -> array), so a test can compare what the engine held with the
-learner's weights.
+learner's weights. SIGUSR1 prints every thread's Python stack to stderr (a test that gives up on the engine
+asks for it before killing it).
 
     python -m tests.rl_engine_process [--engine K] [--dump PREFIX] key=value ... cpu_devices=2
 """
 
+import faulthandler
 import json
+import signal
 import sys
 
 from composer_jax.cpu_devices import use_cpu_devices
@@ -22,6 +25,7 @@ def _options(args: list[str]) -> tuple[dict, list[str]]:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     options, overrides = _options(sys.argv[1:])
     cfg = load_rl_config("rl-tiny", overrides)
     use_cpu_devices(cfg.cpu_devices)       # the run's count wins over one in XLA_FLAGS

@@ -93,17 +93,29 @@ def _launch(argv_of, n: int = 2) -> list[subprocess.Popen]:
                              text=True) for i in range(n)]
 
 
+def _stacks_then_kill(procs) -> str:
+    """Kill `procs`, first asking each for its threads' Python stacks (SIGUSR1: tests/rl_engine_process.py
+    registers faulthandler on it; other processes just end); the tails of their stderr."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    tails = []
+    for k, p in enumerate(procs):
+        p.kill()
+        tails.append(f"--- process {k} stderr:\n{(p.communicate()[1] or '')[-4000:]}")
+    return "\n".join(tails)
+
+
 def _finish(procs, timeout: float) -> list[tuple[int, str]]:
     """(exit status, stderr without gloo's connection chatter) of each process (its stdout: `stdout_text`);
-    all are ended by the deadline."""
+    all are ended by the deadline (one still running then fails the test with every process's stderr)."""
     deadline, results = time.monotonic() + timeout, []
     for p in procs:
         try:
             out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"process {procs.index(p)} did not end within {timeout} s")
+            pytest.fail(f"process {procs.index(p)} did not end within {timeout} s\n{_stacks_then_kill(procs)}")
         p.stdout_text = "\n".join(line for line in (out or "").splitlines() if "[Gloo]" not in line)
         results.append((p.returncode, "\n".join(line for line in err.splitlines() if "[Gloo]" not in line)))
     return results
@@ -258,7 +270,7 @@ def test_a_group_that_never_forms_ends_with_one_line(tmp_path):
 
 
 RL_OVERRIDES = [*TINY, "rollout.transport=directory", "rl.max_staleness=0", "rl.steps=3", "rl.kl_coef=0.05",
-                "eval.every=0", "checkpoint.every=1", "checkpoint.keep=4", "rollout.engine_timeout_s=600",
+                "eval.every=0", "checkpoint.every=1", "checkpoint.keep=4", "rollout.engine_timeout_s=300",
                 "rollout.max_new_tokens=12", "rl.max_tokens=12"]
 
 
@@ -307,11 +319,10 @@ def test_rl_learner_of_two_processes_matches_one(tmp_path):
     engines = _rl_engines(one, overrides)
     try:
         RLTrainer(load_rl_config("rl-tiny", [*overrides, f"run_dir={one}"]), parity_tasks()).run()
-        for k, (status, err) in enumerate(_finish(engines, LAUNCH_TIMEOUT_S)):
-            assert status == 0, f"engine {k}:\n{err[-3000:]}"
-    finally:
-        for engine in engines:
-            engine.kill()
+    except Exception as e:      # where the engines stood (a hang seen once: engine 0 never wrote batch 0)
+        raise AssertionError(f"{e}\n{_stacks_then_kill(engines)}") from e
+    for k, (status, err) in enumerate(_finish(engines, LAUNCH_TIMEOUT_S)):
+        assert status == 0, f"engine {k}:\n{err[-3000:]}"
 
     two, port = tmp_path / "two", _free_port()
     engines = _rl_engines(two, overrides)
