@@ -146,3 +146,18 @@ def test_engine_prefill_and_decode_update_their_cache_in_place(engine_programs):
         exchanges = {span for kind, span in program.summary.collectives
                      if kind in ("all-to-all", "ragged-all-to-all", "collective-permute")}
         assert exchanges == {"expert:ep"} and program.summary.total("ragged-all-to-all").count > 0, program.name
+
+
+def test_gpu_builds_scan_their_layer_stacks(h100s):
+    """`model.layer_loop: auto` reads the platform from the traced program's mesh: a deviceless build for
+    GPUs (in a process whose own backend is the CPU) scans its stacks, as GPU runs do."""
+    import jax
+
+    from composer_jax.model import decoder
+    from composer_jax.train.loop import make_mesh
+
+    dual = make_mesh(_config(), h100s)
+    assert jax.default_backend() == "cpu"
+    with jax.sharding.use_abstract_mesh(dual.dense.abstract_mesh):
+        assert decoder.platform() == "gpu" and not decoder.unrolls("auto", 3, "none")
+    assert decoder.unrolls("auto", 3, "none")      # no mesh: the process's CPU
