@@ -11,11 +11,20 @@ the extra is installed) and are skipped elsewhere, naming the extra."""
 import importlib.util
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 from composer_jax.config import ConfigError
+from composer_jax.model.transformer import head_logits
+from composer_jax.plan import activations as act
 from composer_jax.plan import gpu_compile, hlo
+from composer_jax.rl import losses as rl_losses
+from composer_jax.rl.objective import _token_stats
+from composer_jax.rl.rows import chunked
+from composer_jax.train.losses import head_loss_sums
 
 # The tiny model cut to one dense and one MoE layer, no MTP (each kernel costs XLA a ptxas run: fewer
 # layers, fewer kernels), bf16 with MLA's unequal head dims (q/k 24, v 16), ep_ragged, on 2 hosts x 8:
@@ -118,6 +127,20 @@ def test_rl_step_with_muon_compiles_its_exchange(rl_step):
     assert rl_step.total > 0
 
 
+def test_planner_total_is_within_15_percent_of_the_gpu_build(train_step):
+    """The planner's per-device total for the training step (bf16; its peak the chunked loss's blocks and
+    the head's copies at 64 tokens a device) against XLA's GPU build: arguments + outputs - aliased +
+    temporaries (1.58 before the loss's blocks were measured, tests below)."""
+    assert train_step.ratios()["expanded"] == pytest.approx(1.0, rel=0.15)
+
+
+def test_rl_planner_total_is_within_15_percent_of_the_gpu_build(rl_step):
+    """The same for the RL step (Muon, one feedback window of 16 tokens a row; its peak the policy
+    gradient's and the self-distillation's blocks beside the teacher's forward): 1.61 before the
+    losses' blocks were measured."""
+    assert rl_step.ratios()["expanded"] == pytest.approx(1.0, rel=0.15)
+
+
 @pytest.mark.slow
 def test_planner_state_equals_the_compiled_arguments(train_step):
     """The state the planner lays out per device (parameters, biases, optimizer moments) and the batch
@@ -127,6 +150,76 @@ def test_planner_state_equals_the_compiled_arguments(train_step):
     for plan in train_step.plans.values():
         assert plan.state + batch == pytest.approx(train_step.argument, rel=1e-3)
     assert train_step.alias == pytest.approx(train_step.output, rel=0.02)
+
+
+# One chunk of 4 rows x 128 positions over 4096 ids (a 64-wide head): a float32 logits block is 8 MiB.
+LOSS_ROWS, LOSS_SEQ, LOSS_VOCAB, LOSS_EMBED = 4, 128, 4096, 64
+
+
+def _loss_temp_in_blocks(device, loss, dtype: str, *extra, positions: int = LOSS_SEQ) -> float:
+    """XLA's GPU build's temporary bytes of grad(loss) over (hidden [rows, positions, embed], head), compiled alone, in
+    float32 [rows, LOSS_SEQ, vocab] blocks: the loss's own working set (the head's gradient is the output)."""
+    one = SingleDeviceSharding(device)
+    hidden = jax.ShapeDtypeStruct((LOSS_ROWS, positions, LOSS_EMBED), dtype, sharding=one)
+    head = jax.ShapeDtypeStruct((LOSS_EMBED, LOSS_VOCAB), jnp.float32, sharding=one)
+    extra = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) for x in extra]
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    temp = grad.lower(hidden, head, *extra).compile().memory_analysis().temp_size_in_bytes
+    return temp / (LOSS_ROWS * LOSS_SEQ * LOSS_VOCAB * 4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("teacher", [False, True], ids=["ce", "teacher"])
+def test_head_loss_blocks_are_what_its_compiled_gradient_holds(h100s, dtype, teacher):
+    """The planner's blocks of the training loss (`activations.head_loss_blocks`: the logits, their gradient
+    in the compute dtype, a teacher's logits) against XLA's GPU build of `head_loss_sums`' gradient alone."""
+    def loss(hidden, head, teacher_hidden):
+        labels = jnp.zeros(hidden.shape[:2], jnp.int32)
+        sums = head_loss_sums(hidden, head.astype(hidden.dtype), labels, jnp.ones(hidden.shape[:2]), chunk=512,
+                              teacher=teacher_hidden if teacher else None)
+        return sums.sum(), None
+
+    teacher_hidden = jax.ShapeDtypeStruct((LOSS_ROWS, LOSS_SEQ, LOSS_EMBED), dtype)
+    blocks = act.head_loss_blocks(2 if dtype == "bfloat16" else 4, teacher)
+    assert _loss_temp_in_blocks(h100s[0], loss, dtype, teacher_hidden) == pytest.approx(blocks, abs=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("entropy", [False, True], ids=["pg", "entropy"])
+def test_rl_loss_blocks_are_what_its_compiled_gradient_holds(h100s, dtype, entropy):
+    """The planner's blocks of the RL step's token statistics (`activations.rl_loss_blocks`) against XLA's
+    build of `_token_stats`' gradient alone, with and without an entropy bonus."""
+    class Head:
+        def __init__(self, w):
+            self.w = w
+
+        def head(self, dt):
+            return self.w.astype(dt)
+
+    def loss(hidden, head, tokens):
+        logp, ent = _token_stats(Head(head), hidden, tokens, 512)
+        return logp.sum() + (ent.sum() if entropy else 0.0), jax.lax.stop_gradient(ent.sum())
+
+    tokens = jax.ShapeDtypeStruct((LOSS_ROWS, LOSS_SEQ + 1), jnp.int32)   # LOSS_SEQ predicted positions
+    blocks = _loss_temp_in_blocks(h100s[0], loss, dtype, tokens, positions=LOSS_SEQ + 1)
+    assert blocks == pytest.approx(act.rl_loss_blocks(entropy), abs=0.1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_self_distillation_blocks_are_what_its_compiled_gradient_holds(h100s, dtype):
+    """The planner's blocks of the feedback windows' self-distillation (`activations.SD_LOSS_BLOCKS`)
+    against XLA's GPU build of the divergence's gradient alone (the RL step's default forward KL over the
+    teacher's stop-gradient logits) on 4 windows of 128 tokens."""
+    def loss(student, head, teacher, tokens):
+        divergence, = chunked(lambda head_s, head_t, hs, ht, y: (rl_losses.distill_divergence(
+            head_logits(head_s, hs), head_logits(head_t, ht), y, "forward_kl"),),
+            512, student, teacher, tokens, heads=(head.astype(dtype), jax.lax.stop_gradient(head).astype(dtype)))
+        return divergence.sum(), None
+
+    teacher = jax.ShapeDtypeStruct((LOSS_ROWS, LOSS_SEQ, LOSS_EMBED), dtype)
+    tokens = jax.ShapeDtypeStruct((LOSS_ROWS, LOSS_SEQ), jnp.int32)
+    blocks = _loss_temp_in_blocks(h100s[0], loss, dtype, teacher, tokens)
+    assert blocks == pytest.approx(act.SD_LOSS_BLOCKS, abs=0.15)
 
 
 @pytest.fixture(scope="module")

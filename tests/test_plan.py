@@ -7,6 +7,8 @@ devices) for the whole plan; the exchange plan of parameters placed on the devic
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -14,15 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from composer_jax.cli import main
 from composer_jax.config import MeshConfig, load_config
-from composer_jax.optim.orthogonalize_plan import leaf_info, matrix_view, ns_flops_per_device, plan_groups
+from composer_jax.model import dispatch
+from composer_jax.optim.orthogonalize_plan import (
+    leaf_info,
+    matrix_view,
+    ns_flops_per_device,
+    plan_groups,
+)
 from composer_jax.optim.param_labels import make_plan, pure
 from composer_jax.parallel import DualMesh
 from composer_jax.parallel.mesh import BATCH_AXES, resolve_sizes
+from composer_jax.plan import activations as act
 from composer_jax.plan.memory import plan_train
 from composer_jax.plan.muon import ns_share
 from composer_jax.plan.rl import plan_rl
@@ -110,6 +120,20 @@ def test_plan_matches_compiled_memory(name):
     batch_shard = 4 * 4 * tc.batch_size * tc.seq_len // (dual.sizes["replica"] * dual.sizes["fsdp"])
     assert 0 <= memory.argument_size_in_bytes - (plan.state + batch_shard) <= 64
     assert plan.total == pytest.approx(compiled, rel=0.15)
+
+
+def test_blocked_grouped_matmul_keeps_its_expert_copies():
+    """The planner's "blocked expert copies" (each block's copy of its expert's three matrices, kept for
+    the backward) are what JAX's autodiff saves of `grouped_swiglu` on CPU: 96 rows over 4 experts."""
+    rows, experts, d, f = 96, 4, 64, 32
+    w = dispatch.ExpertWeights(jnp.ones((experts, d, f)), jnp.ones((experts, d, f)), jnp.ones((experts, f, d)))
+    sizes = jnp.array([30, 20, 40, 6], jnp.int32)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda xs, w: dispatch.grouped_swiglu(xs, sizes, w).sum(), jnp.ones((rows, d)), w)
+    blocks = act._blocks(rows, experts)
+    copies = [line.split()[0] for line in out.getvalue().splitlines() if "'_take'" in line and "i32" not in line]
+    assert sorted(copies) == sorted([f"f32[{blocks},{d},{f}]"] * 2 + [f"f32[{blocks},{f},{d}]"])
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ REMAT_POLICIES = {"dots": _dots_outside_shard_map, "full": None}
 MAX_UNROLLED_LAYERS = 8
 
 
-def unrolls(layer_loop: str, layers: int, remat: str) -> bool:
+def unrolls(layer_loop: str, layers: int, remat: str, on: str | None = None) -> bool:
     """Whether a stack of `layers` layers runs one layer after another rather than as a `lax.scan`.
 
     'auto': on CPU, for at most MAX_UNROLLED_LAYERS layers and without remat (which is asked for to
@@ -54,10 +54,11 @@ def unrolls(layer_loop: str, layers: int, remat: str) -> bool:
     (`dynamic_update_slice`), then reads them back: a fifth of issue 41's held-out training step. One
     after another, each layer's residuals are buffers of their own (the step 1.2x faster there, 1.06x
     on the tiny recipe's; docs/training.md). Accelerators and deeper stacks scan: XLA's GPU and TPU
-    compilers update the stacks in place, and compile time stays flat in the depth."""
+    compilers update the stacks in place, and compile time stays flat in the depth. `on`: the platform
+    ('cpu', 'gpu', ...; default: the traced program's), for a plan made without devices."""
     if layer_loop != "auto":
         return layer_loop == "unroll"
-    return platform() == "cpu" and layers <= MAX_UNROLLED_LAYERS and remat == "none"
+    return (on or platform()) == "cpu" and layers <= MAX_UNROLLED_LAYERS and remat == "none"
 
 
 class DecoderLayer(nnx.Module):

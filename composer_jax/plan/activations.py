@@ -27,6 +27,9 @@ in blocks of rows of one expert, each block with a copy of its expert's matrices
 `jax.lax.ragged_dot`, which XLA (GPU without a grouped kernel) lowers to a dense dot over a
 group-masked copy of its input, [experts, rows, width] (`"expanded"`); a grouped kernel (tokamax,
 Megablox, cuDNN) needs none (`"kernel"`).
+
+The chunked losses hold float32 [rows, chunk, vocab] blocks, as many as XLA's build of each loss's
+gradient alone holds (`head_loss_blocks`, `rl_loss_blocks`, `SD_LOSS_BLOCKS`; tests/test_gpu_compile.py).
 """
 
 from __future__ import annotations
@@ -140,22 +143,25 @@ def attention_saved(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> dict[str
     return out
 
 
-def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int) -> int:
-    """Transient bytes of one MLA block's backward: the layer's kept scores read out of their stack and
-    two score-sized gradients (reference), or three float32 blocks (memory-efficient: the recomputed
-    probabilities, their gradient and the scores' gradient; the scores fuse into the first), plus the
-    gradients of the keys and values."""
+def attention_working(cfg: ModelConfig, s: Shapes, impl: str, dt: int, stacked: bool = True) -> int:
+    """Transient bytes of one MLA block's backward: two score-sized gradients and, in a scanned stack,
+    the layer's kept scores read out of their stack (reference), or three float32 blocks
+    (memory-efficient: the recomputed probabilities, their gradient and the scores' gradient; the scores
+    fuse into the first), plus the gradients of the keys and values."""
     h, _, _, nope, _, dv = _dims(cfg)
     if impl == "reference":
-        scores = s.rows * h * s.queries * s.keys * (3 * F32 + dt)
+        scores = s.rows * h * s.queries * s.keys * (2 * F32 + (F32 + dt) * stacked)
     else:
         scores = 3 * s.rows * h * min(Q_BLOCK, s.queries) * min(K_BLOCK, s.keys) * F32
     return scores + s.rows * s.keys * h * (nope + dv) * dt
 
 
-def ffn_saved(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, dt: int) -> dict[str, int]:
+def ffn_saved(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, dt: int,
+              grouped_matmul: str) -> dict[str, int]:
     """What one FFN block (dense SwiGLU, or MoE: router, shared expert, routed experts through the
-    dispatch backend `kind`) keeps for its backward (no rematerialisation)."""
+    dispatch backend `kind`) keeps for its backward (no rematerialisation). The blocked grouped matmul
+    keeps its blocks' copies of their experts' matrices (the batched matmuls' operands), in float32:
+    XLA:CPU runs bfloat16 matmuls on float32 copies (measured on the proxy's CPU build)."""
     d, t = cfg.hidden_size, s.tokens
     if not moe:
         return {"mlp": _swiglu(t, cfg.intermediate_size, dt)}
@@ -163,6 +169,9 @@ def ffn_saved(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, 
     e, k, f = m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size
     out = {"router": t * d * dt + 2 * t * e * F32 + t * k * (F32 + 4),
            "shared expert": _swiglu(t, f * m.n_shared_experts, dt)}
+    if kind != "dense" and grouped_matmul == "blocked":
+        rows, experts, _ = _expert_rows(cfg, s, kind, factor)
+        out["blocked expert copies"] = 3 * _blocks(rows, experts) * d * f * F32
     if kind == "dense":   # every expert on every token
         out["experts (dense dispatch)"] = _swiglu(e * t, f, dt) + e * t * d * dt + t * k * e * F32 + t * e * F32
         out["gathered experts"] = 3 * e * d * f * dt
@@ -180,6 +189,31 @@ def ffn_saved(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, 
     return out
 
 
+def _expert_rows(cfg: ModelConfig, s: Shapes, kind: str, factor: float) -> tuple[int, int, int]:
+    """(rows the grouped matmuls see, experts they span, rows in the exchange buffers sent and received)
+    of one MoE block on this device (`kind` != 'dense')."""
+    m = cfg.moe
+    e, k = m.n_routed_experts, m.num_experts_per_tok
+    if kind == "ragged":
+        return s.tokens * k, e, 0
+    sizes = dispatch_rows(kind, s.tokens, k, e // s.ep, s.ep, factor)
+    return sizes["receive"], e // s.ep, sizes["send"] + sizes["receive"]
+
+
+def _blocks(rows: int, experts: int) -> int:
+    """The blocked grouped matmul's blocks of `grouped_block_rows` rows (`dispatch.grouped_swiglu`)."""
+    return -(-(rows + experts * (grouped_block_rows(rows, experts) - 1)) // grouped_block_rows(rows, experts))
+
+
+def _blocked_working(rows: int, experts: int, d: int, f: int, dt: int, copies: int) -> int:
+    """The blocked grouped matmul: `copies` [blocks, embed, width] matrices (the forward's copies of the
+    blocks' experts' matrices, or the backward's gradient of one of them, which it sums into its expert's
+    before the next: the copies themselves are kept, `ffn_saved`, or rebuilt, `layer_memory`), and the
+    rows in blocks."""
+    blocks = _blocks(rows, experts)
+    return (copies * blocks * d * f + blocks * grouped_block_rows(rows, experts) * (d + 2 * f)) * dt
+
+
 def ffn_working(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float, dt: int,
                 grouped_matmul: str) -> int:
     """Transient bytes of one FFN block's backward: the exchange buffers of an expert-parallel dispatch
@@ -188,25 +222,17 @@ def ffn_working(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float
     d, t = cfg.hidden_size, s.tokens
     if not moe:
         return 2 * t * cfg.intermediate_size * dt
-    m = cfg.moe
-    e, k, f = m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    e, f = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size
     if kind == "dense":
         return 2 * e * t * max(d, f) * dt
-    if kind == "ragged":
-        rows, experts, buffers = t * k, e, 0
-    else:
-        sizes = dispatch_rows(kind, t, k, e // s.ep, s.ep, factor)
-        rows, experts = sizes["receive"], e // s.ep
-        buffers = 2 * (sizes["send"] + sizes["receive"]) * d * dt
+    rows, experts, exchanged = _expert_rows(cfg, s, kind, factor)
     if grouped_matmul == "expanded":
         grouped = experts * rows * (3 * max(d, f) + min(d, f)) * dt
-    elif grouped_matmul == "blocked":   # each block's copy of its expert's matrices, and the rows in blocks
-        block = grouped_block_rows(rows, experts)
-        blocks = -(-(rows + experts * (block - 1)) // block)
-        grouped = (3 * blocks * d * f + blocks * block * (d + 2 * f)) * dt
+    elif grouped_matmul == "blocked":
+        grouped = _blocked_working(rows, experts, d, f, dt, copies=1)
     else:
         grouped = 0
-    return buffers + grouped + 2 * rows * max(d, f) * dt
+    return 2 * exchanged * d * dt + grouped + 2 * rows * max(d, f) * dt
 
 
 def remat_saved(saved: dict[str, int], remat: str, cfg: ModelConfig, s: Shapes, moe: bool, dt: int) -> dict[str, int]:
@@ -239,17 +265,19 @@ class LayerMemory:
 
 
 def layer_memory(cfg: ModelConfig, s: Shapes, moe: bool, *, attention: str, remat: str, factor: float,
-                 grouped_matmul: str) -> LayerMemory:
-    """One decoder layer's kept and working bytes per device."""
+                 grouped_matmul: str, stacked: bool = True) -> LayerMemory:
+    """One decoder layer's kept and working bytes per device; `stacked`: the layer runs in a scan over its
+    stack (`model.decoder.unrolls`), whose backward reads its kept tensors out of their stacks."""
     dt = 4 if cfg.dtype == "float32" else 2
-    full = {**attention_saved(cfg, s, attention, dt), **ffn_saved(cfg, s, moe, cfg.moe.dispatch, factor, dt)}
+    full = {**attention_saved(cfg, s, attention, dt), **ffn_saved(cfg, s, moe, cfg.moe.dispatch, factor, dt,
+                                                                  grouped_matmul)}
     weights = dense_weight_bytes(cfg, moe, dt)
     if s.fsdp > 1 or cfg.param_dtype != cfg.dtype:   # the gathered (or cast) copy is a new array
         full["gathered weights"] = weights
     saved = remat_saved(full, remat, cfg, s, moe, dt)
     # XLA schedules the attention's and the FFN's backward temporaries to overlap: both count.
-    working = (attention_working(cfg, s, attention, dt) + ffn_working(cfg, s, moe, cfg.moe.dispatch, factor, dt,
-                                                                        grouped_matmul)
+    working = (attention_working(cfg, s, attention, dt, stacked)
+               + ffn_working(cfg, s, moe, cfg.moe.dispatch, factor, dt, grouped_matmul)
                + weights + full.get("gathered experts", 0) + 2 * s.tokens * cfg.hidden_size * F32)
     if remat != "none":   # the backward first rebuilds what the policy dropped
         working += sum(full.values()) - sum(saved.values())
@@ -263,14 +291,61 @@ def embedding_working(cfg: ModelConfig, s: Shapes) -> int:
     return cfg.vocab_size * cfg.hidden_size * dt * (2 if s.fsdp > 1 else 1)
 
 
-def loss_working(cfg: ModelConfig, s: Shapes, chunk: int, seq: int, distill: bool = False) -> int:
-    """The chunked cross-entropy (train/losses.py): float32 [rows, chunk, vocab] blocks of one chunk
-    (logits, log-probabilities and their gradient; with the MTP self-distillation also the teacher's
-    logits, log-probabilities, probabilities and the KL), the whole head in the compute dtype and its
-    float32 gradient with the copy its reduction writes."""
+def head_loss_blocks(dt: int, teacher: bool) -> float:
+    """The float32 [rows, chunk, vocab] blocks one chunk of `train/losses.head_loss_sums` holds at once
+    (measured on GPU and CPU builds of its gradient, tests/test_plan.py): the logits and their gradient
+    in the compute dtype (half a block in bfloat16), and a teacher's logits."""
+    return 1 + dt / F32 + teacher
+
+
+def train_loss_blocks(dt: int, mtp: bool, distill: bool) -> float:
+    """The training step's loss blocks: the main head's, and with MTP depths the first depth's beside it
+    (its teacher is the main hidden states, so XLA computes it with the main loss)."""
+    return head_loss_blocks(dt, False) + mtp * head_loss_blocks(dt, distill)
+
+
+# The float32 [windows, chunk, vocab] blocks of the feedback windows' self-distillation
+# (`rl/objective`'s divergence through `rl/rows.chunked`, measured on GPU builds of its gradient,
+# tests/test_gpu_compile.py): the student's and the teacher's logits and the student's gradient.
+SD_LOSS_BLOCKS = 3
+
+
+def rl_loss_blocks(entropy_bonus: bool) -> int:
+    """The float32 [rows, chunk, vocab] blocks of the RL step's token statistics (`rl/objective._token_stats`
+    through `rl/rows.chunked`, measured on GPU builds of its gradient, tests/test_plan.py): the
+    rematerialised logits and their gradient, and with an entropy bonus the gradient of the entropy."""
+    return 2 + entropy_bonus
+
+
+def loss_working(cfg: ModelConfig, s: Shapes, chunk: int, seq: int, blocks: float) -> int:
+    """A chunked loss: over the chunks, `blocks` float32 [rows, chunk, vocab] blocks of one chunk, the
+    whole head in the compute dtype and its float32 gradient summed over the chunks; after them, that
+    gradient and the copy its reduction across the row shards writes."""
     dt = 4 if cfg.dtype == "float32" else 2
     block = s.rows * min(chunk, seq) * cfg.vocab_size * F32
-    return (3 + 4 * distill) * block + cfg.hidden_size * cfg.vocab_size * (dt + 2 * F32)
+    head = cfg.hidden_size * cfg.vocab_size
+    return max(int(blocks * block) + head * (dt + F32), 2 * head * F32)
+
+
+def ffn_forward_working(cfg: ModelConfig, s: Shapes, moe: bool, factor: float, grouped_matmul: str) -> int:
+    """Transient bytes of one FFN block's forward beyond what it keeps: the exchange buffers of an
+    expert-parallel dispatch and the grouped matmuls' working set (expanded: the masked copies of the rows
+    for the gate and up projections and of the hidden for the down one, and one projection's per-expert
+    outputs before their sum, as a GPU build of the tiny model holds them; blocked: as in the backward).
+    A dense MLP's and the dense dispatch's intermediates are kept for the backward (`ffn_saved`)."""
+    kind = cfg.moe.dispatch
+    if not moe or kind == "dense":
+        return 0
+    dt = 4 if cfg.dtype == "float32" else 2
+    d, f = cfg.hidden_size, cfg.moe.moe_intermediate_size
+    rows, experts, exchanged = _expert_rows(cfg, s, kind, factor)
+    if grouped_matmul == "expanded":
+        grouped = experts * rows * 2 * (d + f) * dt
+    elif grouped_matmul == "blocked":
+        grouped = _blocked_working(rows, experts, d, f, dt, copies=3)
+    else:
+        grouped = 0
+    return exchanged * d * dt + grouped
 
 
 def global_saved(cfg: ModelConfig, s: Shapes, attention: str) -> dict[str, int]:

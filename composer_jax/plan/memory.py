@@ -5,7 +5,8 @@ The step's peak is its arguments (the state and the batch; the state is donated,
 state reuses its buffers) plus the larger of two phases:
 - backward: the gradients being built, every layer's kept tensors (stacked over the scanned layers,
   all alive until the backward ends), tensors kept once per forward, the gathered batch, and the
-  largest working set of one layer's backward or of the chunked loss;
+  largest working set of one layer's backward or of the chunked loss (with MTP depths, the loss
+  and the depth's forward, which XLA runs side by side);
 - update: the gradients and the optimizer's working set (AdamW: one parameter-sized update; Muon:
   its Newton-Schulz stacks in `optimizer.ns_dtype`, about three copies of the momentum matrices).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from composer_jax.config import ConfigError
+from composer_jax.model.decoder import unrolls
 from composer_jax.parallel.mesh import check_model, resolve_sizes
 from composer_jax.plan import activations as act
 from composer_jax.plan.state import param_leaves, state_bytes
@@ -111,16 +113,21 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
     s = act.tokens_per_device(micro, seq, sizes)
     dense_layers, moe_layers = act.num_layers(model)
     layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=train.remat,
-                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul))
+                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul,
+                                       stacked=not unrolls(model.layer_loop, count, train.remat, platform)))
               for count, moe in ((dense_layers, False), (moe_layers, True)) if count]
     kept = stacked(layers)
     kept.update(act.global_saved(model, s, attention))
     # the batch argument (four int32 features, sharded over the data axes) and its copy gathered whole
     data = sizes["replica"] * sizes["fsdp"]
     batch = 4 * 4 * train.batch_size * seq * (1 + 1 / data)
+    mtp = model.mtp.num_layers > 0
+    blocks = act.train_loss_blocks(4 if model.dtype == "float32" else 2, mtp, mtp and train.mtp_distill_weight > 0)
+    loss = act.loss_working(model, s, train.loss_chunk, seq, blocks)
+    if mtp:   # the main loss's backward needs only its forward: XLA runs it beside the first depth's forward
+        loss += act.ffn_forward_working(model, s, moe_layers > 0, model.moe.capacity_factor, grouped_matmul)
     backward = {"largest layer backward": max(layer.working for _, layer in layers),
-                "chunked loss": act.loss_working(model, s, train.loss_chunk, seq,
-                                                 distill=model.mtp.num_layers > 0 and train.mtp_distill_weight > 0),
+                "chunked loss" + (" beside the MTP depth's forward" if mtp else ""): loss,
                 "embedding table and gradient": act.embedding_working(model, s)}
     worst = max(backward, key=backward.get)
     update = optimizer_working(leaves, cfg.optimizer)

@@ -5,8 +5,9 @@ Phases (the peak is the largest, on top of the state and the batch):
 - teacher: the student's kept tensors, every layer's latents (returned for the prefix teacher), those
   latents repeated once per feedback slot (the teacher's prefix), and one teacher layer's forward over
   `slots` windows of `window` tokens attending to [prefix + window] keys (no gradient: nothing kept);
-- backward: the student's kept tensors, the gradients, the largest layer backward or chunked-logits
-  working set (student and teacher logits of one chunk of the windows);
+- backward: the student's kept tensors, the gradients, the largest layer backward or the chunked
+  losses' working set (the policy gradient's blocks with the windows' self-distillation blocks and the
+  teacher's FFN forward beside them);
 - update: the gradients and the optimizer's working set.
 The step takes no context parallelism with a prefix teacher (`rl.teacher_context="prefix"`).
 """
@@ -14,6 +15,7 @@ The step takes no context parallelism with a prefix teacher (`rl.teacher_context
 from __future__ import annotations
 
 from composer_jax.config import ConfigError
+from composer_jax.model.decoder import unrolls
 from composer_jax.plan import activations as act
 from composer_jax.plan.memory import (
     MemoryPlan,
@@ -50,7 +52,8 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
     s = act.tokens_per_device(rows // count, seq, sizes)       # one micro-batch's rows
     dense_layers, moe_layers = model.num_dense_layers, model.num_moe_layers  # the RL step runs no MTP
     layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=rl.remat,
-                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul))
+                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul,
+                                       stacked=not unrolls(model.layer_loop, count, rl.remat, platform)))
               for count, moe in ((dense_layers, False), (moe_layers, True)) if count]
     kept: dict[str, int] = {}
     for count, layer in layers:
@@ -67,13 +70,14 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
                                    factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul)
         phases["teacher"] = {"teacher prefix (latents per slot)": model.num_layers * n * seq * latent * dt,
                              "teacher layer forward": t_layer.saved_total}
-    loss = act.loss_working(model, s, rl.loss_chunk, seq)
+    loss = act.loss_working(model, s, rl.loss_chunk, seq, act.rl_loss_blocks(rl.entropy_coef > 0))
     if slots:
-        # Student and teacher logits of one chunk of the windows, their softmaxes and the gradient: kept
-        # from the forward while the policy-gradient loss runs its backward, so the two add up (XLA's
-        # live ranges at the peak of the tiny RL step built for 2 x 8 H100s, docs/planning.md).
-        loss += (5 * n * min(rl.loss_chunk, window) * model.vocab_size * F32
-                 + 2 * n * window * model.hidden_size * dt)
+        # The windows' self-distillation blocks beside the policy-gradient loss (XLA computes the two
+        # together), and the teacher's forward beside that loss's backward (XLA's live ranges at the peak
+        # of the tiny RL step built for 2 x 8 H100s, docs/planning.md).
+        loss += (act.SD_LOSS_BLOCKS * n * min(rl.loss_chunk, window) * model.vocab_size * F32
+                 + 2 * n * window * model.hidden_size * dt
+                 + act.ffn_forward_working(model, teacher, moe_layers > 0, model.moe.capacity_factor, grouped_matmul))
     phases["backward"]["chunked loss" + (" and the windows' logits" if slots else "")] = loss
     batch = rows * seq * 4 * (6 if rl.kl_coef else 5) + rows * slots * window * 8
     kept_total = sum(kept.values())
