@@ -202,7 +202,8 @@ def _expert_rows(cfg: ModelConfig, s: Shapes, kind: str, factor: float) -> tuple
 
 def _blocks(rows: int, experts: int) -> int:
     """The blocked grouped matmul's blocks of `grouped_block_rows` rows (`dispatch.grouped_swiglu`)."""
-    return -(-(rows + experts * (grouped_block_rows(rows, experts) - 1)) // grouped_block_rows(rows, experts))
+    block = grouped_block_rows(rows, experts)
+    return -(-(rows + experts * (block - 1)) // block)
 
 
 def _blocked_working(rows: int, experts: int, d: int, f: int, dt: int, copies: int) -> int:
@@ -218,7 +219,8 @@ def ffn_working(cfg: ModelConfig, s: Shapes, moe: bool, kind: str, factor: float
                 grouped_matmul: str) -> int:
     """Transient bytes of one FFN block's backward: the exchange buffers of an expert-parallel dispatch
     (in flight both ways) and, with the expanded grouped matmul, its masked [experts, rows, width]
-    copies (three embed-wide and one expert-wide at once in the backward)."""
+    copies (three embed-wide and one expert-wide at once in the backward); with the blocked one, one
+    matrix's gradient of the blocks' expert copies."""
     d, t = cfg.hidden_size, s.tokens
     if not moe:
         return 2 * t * cfg.intermediate_size * dt
