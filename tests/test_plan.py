@@ -88,10 +88,10 @@ def test_state_bytes_match_the_training_layout_per_device():
     assert 0 <= _local_bytes(layout.abstract.opt_state) - planned.optimizer <= 64
 
 
-# Three scaled-down configs whose memory goes to different places: the expanded ragged_dot under full
+# Four scaled-down configs whose memory goes to different places: the blocked grouped matmul under full
 # per-layer remat with gradient accumulation (dense reference attention); the bounded expert all-to-all
 # under context parallelism with blockwise attention and the 'dots' remat policy; the one-hot dense
-# dispatch with an MTP depth (its distillation loss) and a wider model.
+# dispatch, and the grouped matmul, with an MTP depth (its distillation loss) and a wider model.
 BASE = ["model.vocab_size=256", "model.mtp.num_layers=0", "model.num_layers=3", "model.moe.dispatch=ragged",
         "train.batch_size=8", "model.rope.factor=32", "model.rope.max_position_embeddings=512"]
 COMPILED = {
@@ -100,14 +100,19 @@ COMPILED = {
                 "model.attention=blockwise", "train.remat=dots"],
     "dense_mtp": ["train.seq_len=128", "model.moe.dispatch=dense", "model.mtp.num_layers=1", "model.hidden_size=128",
                   "model.vocab_size=2048"],
+    "ragged_mtp": ["train.seq_len=128", "model.mtp.num_layers=1", "model.hidden_size=128", "model.vocab_size=2048"],
 }
+# Tighter where a term is to be told apart: with an MTP depth the main loss runs beside the depth's FFN
+# forward (`activations.ffn_forward_working`); the plan is 0.974 of the compiled step with it, 0.886 without.
+TOLERANCE = {"ragged_mtp": 0.06}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_plan_matches_compiled_memory(name):
-    """The plan's per-device total is within 15% of the compiled step's peak (arguments + outputs -
-    aliased + temporaries); its state is the compiled arguments exactly (up to the step counters)."""
+    """The plan's per-device total is within 15% (or TOLERANCE's tighter bound) of the compiled step's
+    peak (arguments + outputs - aliased + temporaries); its state is the compiled arguments exactly (up to
+    the step counters)."""
     cfg = load_run_config("pretrain-tiny", BASE + COMPILED[name])
     dual = make_mesh(cfg)
     memory = step_lib.lower_train_step(cfg, dual).compile().memory_analysis()
@@ -119,7 +124,7 @@ def test_plan_matches_compiled_memory(name):
     tc = cfg.train
     batch_shard = 4 * 4 * tc.batch_size * tc.seq_len // (dual.sizes["replica"] * dual.sizes["fsdp"])
     assert 0 <= memory.argument_size_in_bytes - (plan.state + batch_shard) <= 64
-    assert plan.total == pytest.approx(compiled, rel=0.15)
+    assert plan.total == pytest.approx(compiled, rel=TOLERANCE.get(name, 0.15))
 
 
 def test_blocked_grouped_matmul_keeps_its_expert_copies():
