@@ -295,7 +295,7 @@ def embedding_working(cfg: ModelConfig, s: Shapes) -> int:
 
 def head_loss_blocks(dt: int, teacher: bool) -> float:
     """The float32 [rows, chunk, vocab] blocks one chunk of `train/losses.head_loss_sums` holds at once
-    (measured on GPU and CPU builds of its gradient, tests/test_plan.py): the logits and their gradient
+    (measured on GPU and CPU builds of its gradient, tests/test_gpu_compile.py): the logits and their gradient
     in the compute dtype (half a block in bfloat16), and a teacher's logits."""
     return 1 + dt / F32 + teacher
 
@@ -314,7 +314,7 @@ SD_LOSS_BLOCKS = 3
 
 def rl_loss_blocks(entropy_bonus: bool) -> int:
     """The float32 [rows, chunk, vocab] blocks of the RL step's token statistics (`rl/objective._token_stats`
-    through `rl/rows.chunked`, measured on GPU builds of its gradient, tests/test_plan.py): the
+    through `rl/rows.chunked`, measured on GPU builds of its gradient, tests/test_gpu_compile.py): the
     rematerialised logits and their gradient, and with an entropy bonus the gradient of the entropy."""
     return 2 + entropy_bonus
 
@@ -333,7 +333,8 @@ def ffn_forward_working(cfg: ModelConfig, s: Shapes, moe: bool, factor: float, g
     """Transient bytes of one FFN block's forward beyond what it keeps: the exchange buffers of an
     expert-parallel dispatch and the grouped matmuls' working set (expanded: the masked copies of the rows
     for the gate and up projections and of the hidden for the down one, and one projection's per-expert
-    outputs before their sum, as a GPU build of the tiny model holds them; blocked: as in the backward).
+    outputs before their sum, as a GPU build of the tiny model holds them; blocked: the blocks' three
+    copies of their experts' matrices, and the rows in blocks).
     A dense MLP's and the dense dispatch's intermediates are kept for the backward (`ffn_saved`)."""
     kind = cfg.moe.dispatch
     if not moe or kind == "dense":

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from composer_jax.config import ConfigError
+from composer_jax.config import ConfigError, ModelConfig
 from composer_jax.model.decoder import unrolls
 from composer_jax.parallel.mesh import check_model, resolve_sizes
 from composer_jax.plan import activations as act
@@ -85,6 +85,16 @@ def optimizer_working(leaves, opt: OptimizerConfig) -> int:
     return sum(x.bytes for x in leaves if x.trainable)
 
 
+def layer_stacks(model: ModelConfig, s: act.Shapes, counts: tuple[int, int], *, attention: str, remat: str,
+                 grouped_matmul: str, platform: str) -> list:
+    """[(count, LayerMemory)] of the dense and the MoE stack (`counts`: their layers), each scanned or
+    unrolled as `model.layer_loop` runs it on `platform` (`decoder.unrolls`)."""
+    return [(count, act.layer_memory(model, s, moe, attention=attention, remat=remat,
+                                     factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul,
+                                     stacked=not unrolls(model.layer_loop, count, remat, platform)))
+            for count, moe in zip(counts, (False, True)) if count]
+
+
 def stacked(layers) -> dict[str, int]:
     """Kept tensors of all layers by name: [(count, LayerMemory)] -> {name: bytes}."""
     kept: dict[str, int] = {}
@@ -112,10 +122,8 @@ def plan_train(cfg: RunConfig, devices: int, *, seq: int | None = None, attentio
     micro = train.batch_size // train.grad_accum
     s = act.tokens_per_device(micro, seq, sizes)
     dense_layers, moe_layers = act.num_layers(model)
-    layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=train.remat,
-                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul,
-                                       stacked=not unrolls(model.layer_loop, count, train.remat, platform)))
-              for count, moe in ((dense_layers, False), (moe_layers, True)) if count]
+    layers = layer_stacks(model, s, (dense_layers, moe_layers), attention=attention, remat=train.remat,
+                          grouped_matmul=grouped_matmul, platform=platform)
     kept = stacked(layers)
     kept.update(act.global_saved(model, s, attention))
     # the batch argument (four int32 features, sharded over the data axes) and its copy gathered whole

@@ -15,13 +15,14 @@ The step takes no context parallelism with a prefix teacher (`rl.teacher_context
 from __future__ import annotations
 
 from composer_jax.config import ConfigError
-from composer_jax.model.decoder import unrolls
 from composer_jax.plan import activations as act
 from composer_jax.plan.memory import (
     MemoryPlan,
+    layer_stacks,
     layout_sizes,
     optimizer_working,
     resolve_settings,
+    stacked,
 )
 from composer_jax.plan.state import param_leaves, state_bytes
 from composer_jax.rl.config import RLConfig
@@ -51,14 +52,9 @@ def plan_rl(cfg: RunConfig, rl: RLConfig, devices: int, *, rows: int, seq: int, 
     state = state_bytes(leaves, rl.optimizer.name, count)
     s = act.tokens_per_device(rows // count, seq, sizes)       # one micro-batch's rows
     dense_layers, moe_layers = model.num_dense_layers, model.num_moe_layers  # the RL step runs no MTP
-    layers = [(count, act.layer_memory(model, s, moe, attention=attention, remat=rl.remat,
-                                       factor=model.moe.capacity_factor, grouped_matmul=grouped_matmul,
-                                       stacked=not unrolls(model.layer_loop, count, rl.remat, platform)))
-              for count, moe in ((dense_layers, False), (moe_layers, True)) if count]
-    kept: dict[str, int] = {}
-    for count, layer in layers:
-        for name, size in layer.saved.items():
-            kept[name] = kept.get(name, 0) + count * size
+    layers = layer_stacks(model, s, (dense_layers, moe_layers), attention=attention, remat=rl.remat,
+                          grouped_matmul=grouped_matmul, platform=platform)
+    kept = stacked(layers)
     kept.update(act.global_saved(model, s, attention))
     latent = model.mla.kv_lora_rank + model.mla.qk_rope_head_dim
     phases = {"backward": {"largest layer backward": max(layer.working for _, layer in layers)}}
