@@ -74,7 +74,8 @@ def test_the_study_runs_phase_to_phase_at_its_smoke_size_and_resumes(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     phases = [json.loads(line)["phase"] for line in (out / "phases.jsonl").read_text().splitlines()]
-    assert phases == ["gym", "pretrain", "demos", "sft", "eval-sft", "eval-sft-train", "rl-0-sd", "rl-0-nosd", "eval-rl-0"]
+    assert phases == ["gym", "pretrain", "demos", "sft", "copy-probe", "eval-sft", "eval-sft-train", "rl-0-sd",
+                      "rl-0-nosd", "eval-rl-0"]
     study = json.loads((out / "study.json").read_text())
     held_out = {p.name for p in (out / "gym" / "held-out").iterdir() if (p / "task.json").is_file()}
     assert study["eval"]["sft"]["tasks"] == study["eval"]["rl-0"]["tasks"] == len(held_out) > 0
@@ -83,6 +84,8 @@ def test_the_study_runs_phase_to_phase_at_its_smoke_size_and_resumes(tmp_path):
     for arm in ("sd", "nosd"):
         assert study["curves"][f"rl-0-{arm}"]["step"] == [1]
     assert "eval_bpb" in study["pretrain"]
+    assert [c["model"].split(",")[0] for c in study["copy"]] == [f"training run {out / 'runs' / r}" for r in ("pretrain", "sft")]
+    assert all(c["second_nll"] > 0 for c in study["copy"])
     assert (out / "plots" / "pass_by_level.png").stat().st_size and (out / "study.md").read_text().startswith("#")
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -122,3 +125,26 @@ def test_a_relative_out_links_its_training_sample_to_tasks_that_resolve(tmp_path
     study = experiment_coding.Study(Path("study"), experiment_coding.SCALES["smoke"], 1, quiet=True)
     sample = study.train_sample()
     assert [p.name for p in sample.iterdir()] == ["t1"] and (sample / "t1" / "task.json").is_file()
+
+
+def test_copy_probe_scores_a_copier_near_zero_on_the_second_reading_and_a_uniform_model_at_ln_v():
+    """tools/copy_probe.py against two models whose scores are known: one that predicts each token of the
+    second reading from the first (an ideal induction head) and one uniform over the vocabulary."""
+    import copy_probe
+
+    vocab, length = 50, 12
+    tokens = copy_probe.probe_tokens(np.arange(3, vocab), length, sequences=4, seed=1)
+    assert tokens.shape == (4, 2 * length) and (tokens[:, :length] == tokens[:, length:]).all()
+    assert tokens.min() >= 3
+    uniform = np.full((*tokens.shape, vocab), -np.log(vocab))
+    s = copy_probe.copy_scores(uniform, tokens)
+    assert s["first_nll"] == pytest.approx(np.log(vocab)) and s["second_nll"] == pytest.approx(np.log(vocab))
+    copier = uniform.copy()
+    for j in range(length - 1, 2 * length - 1):          # position j predicts token j + 1 = token j + 1 - length
+        copier[:, j] = np.log(0.01 / (vocab - 1))
+        copier[np.arange(4), j, tokens[:, j + 1 - length]] = np.log(0.99)
+    s = copy_probe.copy_scores(copier, tokens)
+    assert s["first_nll"] == pytest.approx(np.log(vocab)) and s["second_nll"] == pytest.approx(-np.log(0.99))
+    assert s["second_greedy"] == 1.0
+    shifted = np.roll(copier, 1, axis=1)                  # one position late: a copier misaligned by one
+    assert copy_probe.copy_scores(shifted, tokens)["second_greedy"] < 0.2

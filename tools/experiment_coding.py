@@ -8,6 +8,7 @@ command again resumes an interrupted study:
     pretrain   composer-jax pretrain pretrain-small           the small model on the stdlib and site-packages
     demos      composer-jax tasks demos OUT/gym ...           solving conversations, a share hinted
     sft        composer-jax sft sft-small                     from the pretrained run
+    copy-probe tools/copy_probe.py of the pretrained and SFT runs: do they copy from their context?
     eval-sft   composer-jax eval RUN OUT/gym/held-out --samples K
     eval-sft-train   the same on as many training tasks (OUT/train-sample): held-out against seen
     rl-S-ARM   composer-jax rl rl-coding-small seed=S         ARM: sd (self-distillation on the selected
@@ -32,6 +33,7 @@ from pathlib import Path
 
 
 TOOLS = "read_file,edit,run,submit"
+HERE = Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,15 +72,16 @@ class Study:
         self.done = self.out / "done"
 
     def phase(self, name: str, *argv) -> None:
-        """Run `composer-jax ARGV` as phase `name` unless it finished before; a failure stops the study
-        with the phase's log named."""
+        """Run `composer-jax ARGV` (or the script ARGV[0] with its arguments) as phase `name` unless it
+        finished before; a failure stops the study with the phase's log named."""
         if (self.done / name).exists():
             return
         log = self.out / "logs" / f"{name}.log"
-        self.say(f"{name}: composer-jax {' '.join(map(str, argv))}")
+        self.say(f"{name}: {'' if str(argv[0]).endswith('.py') else 'composer-jax '}{' '.join(map(str, argv))}")
         t0 = time.perf_counter()
         with open(log, "w") as f:
-            code = subprocess.call([sys.executable, "-m", "composer_jax.cli", *map(str, argv)], stdout=f,
+            program = [] if str(argv[0]).endswith(".py") else ["-m", "composer_jax.cli"]
+            code = subprocess.call([sys.executable, *program, *map(str, argv)], stdout=f,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wall = time.perf_counter() - t0
         if code:
@@ -104,6 +107,7 @@ class Study:
                        "--max-output-chars", 1000)),
             ("sft", ("sft", "sft-small", f"run_dir={runs / 'sft'}", f"train.init_from={runs / 'pretrain'}",
                      f"data.path={self.out / 'demos.jsonl'}", "train.progress=false", *s.sft)),
+            ("copy-probe", (HERE / "copy_probe.py", runs / "pretrain", runs / "sft", "--json", self.out / "copy_probe.json")),
             ("eval-sft", self.eval_argv(runs / "sft", "sft")),
             ("eval-sft-train", lambda: self.eval_argv(runs / "sft", "sft-train", self.train_sample())),
         ]

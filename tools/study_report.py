@@ -93,6 +93,8 @@ def collect(out: Path, seeds: int, targeted: list[str]) -> dict:
         json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]}
     study["pretrain"] = _last(runs / "pretrain", ("eval_loss", "eval_bpb", "ce"))
     study["sft"] = _last(runs / "sft", ("ce", "eval_loss"))
+    probe = out / "copy_probe.json"           # tools/copy_probe.py: random tokens read twice
+    study["copy"] = json.loads(probe.read_text()) if probe.is_file() else []
     # sft-train: the SFT run on as many training tasks as there are held-out ones (what it was trained on)
     study["eval"] = {"sft-train": eval_scores(evals / "sft-train"), "sft": eval_scores(evals / "sft")}
     study["by_level"] = {"sft-train": pass_at_1_by_level(evals / "sft-train", gym),
@@ -158,6 +160,10 @@ def markdown(study: dict) -> str:
     for name, s in study["slopes"].items():
         lines.append(f"| {name} | " + " | ".join("-" if s[k] is None else f"{s[k]:+.4f}"
                                                 for k in study["targeted_flags"]) + f" | {_v(s['reward_final'])} |")
+    lines += ["", "Copying from context (`tools/copy_probe.py`: random tokens read twice; NLL in nats per token):", "",
+              "| model | first reading | second reading | second reading greedy |", "|---|---|---|---|"]
+    lines += [f"| {c['model']} | {c['first_nll']:.3f} | {c['second_nll']:.3f} | {c['second_greedy']:.1%} |"
+              for c in study["copy"]]
     lines += ["", "| phase | wall s |", "|---|---|"] + [f"| {p['phase']} | {p['wall_s']:.0f} |" for p in study["phases"]]
     return "\n".join(lines) + "\n"
 
