@@ -41,9 +41,8 @@ def probe(run: str, length: int, sequences: int, seed: int) -> dict:
     use_cpu_devices(1)
     import jax
 
-    from composer_jax.source_weights import open_model
-
     from composer_jax.checkpoint.safetensors_io import CheckpointError
+    from composer_jax.source_weights import open_model
 
     try:
         opened = open_model(run, ["moe.dispatch=dense"])

@@ -77,10 +77,11 @@ class Study:
         if (self.done / name).exists():
             return
         log = self.out / "logs" / f"{name}.log"
-        self.say(f"{name}: {'' if str(argv[0]).endswith('.py') else 'composer-jax '}{' '.join(map(str, argv))}")
+        script = str(argv[0]).endswith(".py")
+        self.say(f"{name}: {'' if script else 'composer-jax '}{' '.join(map(str, argv))}")
         t0 = time.perf_counter()
         with open(log, "w") as f:
-            program = [] if str(argv[0]).endswith(".py") else ["-m", "composer_jax.cli"]
+            program = [] if script else ["-m", "composer_jax.cli"]
             code = subprocess.call([sys.executable, *program, *map(str, argv)], stdout=f,
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wall = time.perf_counter() - t0
@@ -107,7 +108,8 @@ class Study:
                        "--max-output-chars", 1000)),
             ("sft", ("sft", "sft-small", f"run_dir={runs / 'sft'}", f"train.init_from={runs / 'pretrain'}",
                      f"data.path={self.out / 'demos.jsonl'}", "train.progress=false", *s.sft)),
-            ("copy-probe", (HERE / "copy_probe.py", runs / "pretrain", runs / "sft", "--json", self.out / "copy_probe.json")),
+            ("copy-probe", (HERE / "copy_probe.py", runs / "pretrain", runs / "sft",
+                            "--json", self.out / "copy_probe.json")),
             ("eval-sft", self.eval_argv(runs / "sft", "sft")),
             ("eval-sft-train", lambda: self.eval_argv(runs / "sft", "sft-train", self.train_sample())),
         ]
