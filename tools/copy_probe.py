@@ -37,17 +37,9 @@ def copy_scores(log_probs: np.ndarray, tokens: np.ndarray) -> dict:
 
 def probe(run: str, length: int, sequences: int, seed: int) -> dict:
     """`copy_scores` of the model of `run` (its latest checkpoint, or a model directory), with ln V."""
-    from composer_jax.cpu_devices import use_cpu_devices
-    use_cpu_devices(1)
-    import jax
+    from sft_turn_fit import scorer     # tools/sft_turn_fit.py: the model and its jitted log-probabilities
 
-    from composer_jax.checkpoint.safetensors_io import CheckpointError
-    from composer_jax.source_weights import open_model
-
-    try:
-        opened = open_model(run, ["moe.dispatch=dense"])
-    except CheckpointError as e:
-        raise SystemExit(f"copy_probe: {e}") from None
+    opened, log_probs = scorer(run, "copy_probe")
     if opened.tokenizer is None:
         raise SystemExit(f"copy_probe: {run} ships no tokenizer: its ordinary ids are unknown")
     vocab = opened.model.cfg.vocab_size
@@ -56,12 +48,6 @@ def probe(run: str, length: int, sequences: int, seed: int) -> dict:
     if 2 * length > limit:
         raise SystemExit(f"copy_probe: --length {length} reads {2 * length} positions; {run} has {limit}")
     tokens = probe_tokens(ordinary, length, sequences, seed)
-
-    @jax.jit
-    def log_probs(rows):
-        out = opened.model(rows)
-        return jax.nn.log_softmax(out[0] if isinstance(out, tuple) else out, -1)
-
     scores = copy_scores(np.asarray(log_probs(tokens)), tokens)
     return {"run": run, "model": opened.description, "ln_vocab": float(np.log(len(ordinary))), **scores}
 

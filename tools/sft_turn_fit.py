@@ -22,22 +22,36 @@ def turn_spans(mask: np.ndarray) -> list[np.ndarray]:
     return np.split(trained, np.flatnonzero(np.diff(trained) > 1) + 1) if len(trained) else []
 
 
-def turn_fit(run: str, demos: Path, every: int, count: int, turns: int) -> list[tuple[float, int, int]]:
-    """Per assistant turn (1..turns): (mean NLL in nats per token, turns reproduced greedily, turns seen)."""
+def scorer(run: str, tool: str):
+    """(the opened model of `run`, a jitted `log_probs(tokens: int32[rows, seq]) -> [rows, seq, vocab]`), on
+    one CPU device with dense expert dispatch; a run or model directory that cannot be read exits with one
+    line naming `tool` and the path."""
     from composer_jax.cpu_devices import use_cpu_devices
     use_cpu_devices(1)
     import jax
 
-    from composer_jax.data.chat import tokenize_conversation
+    from composer_jax.checkpoint.safetensors_io import CheckpointError
     from composer_jax.source_weights import open_model
 
-    opened = open_model(run, ["moe.dispatch=dense"])
-    limit = opened.model.cfg.rope.max_position_embeddings
+    try:
+        opened = open_model(run, ["moe.dispatch=dense"])
+    except CheckpointError as e:
+        raise SystemExit(f"{tool}: {e}") from None
 
     @jax.jit
     def log_probs(tokens):
         out = opened.model(tokens)
-        return jax.nn.log_softmax((out[0] if isinstance(out, tuple) else out)[0], -1)
+        return jax.nn.log_softmax(out[0] if isinstance(out, tuple) else out, -1)
+
+    return opened, log_probs
+
+
+def turn_fit(run: str, demos: Path, every: int, count: int, turns: int) -> list[tuple[float, int, int]]:
+    """Per assistant turn (1..turns): (mean NLL in nats per token, turns reproduced greedily, turns seen)."""
+    from composer_jax.data.chat import tokenize_conversation
+
+    opened, log_probs = scorer(run, "sft_turn_fit")
+    limit = opened.model.cfg.rope.max_position_embeddings
 
     seen: list[list[tuple[float, bool]]] = [[] for _ in range(turns)]
     for line in demos.read_text().splitlines()[::every][:count]:
@@ -45,7 +59,7 @@ def turn_fit(run: str, demos: Path, every: int, count: int, turns: int) -> list[
         tokens, mask = tokenize_conversation(record["messages"], lambda t: np.asarray(opened.tokenizer.encode(t)),
                                              None, record.get("tools", ()))
         tokens, mask = tokens[:limit], mask[:limit]
-        lp = np.asarray(log_probs(tokens[None]))
+        lp = np.asarray(log_probs(tokens[None]))[0]
         for t, span in enumerate(turn_spans(mask)[:turns]):
             nll = -lp[span - 1, tokens[span]]
             seen[t].append((float(nll.mean()), bool((lp[span - 1].argmax(-1) == tokens[span]).all())))
